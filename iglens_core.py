@@ -363,6 +363,11 @@ class Trace:
         return [tokenizer.decode([t]) for t in self.targets.tolist()]
 
 
+def precision(dtype: torch.dtype) -> torch.dtype:
+    """Working precision of IG-Lens results: float64 for a float64 model, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _hidden_arg(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
@@ -406,7 +411,7 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     hooks = []
 
     def keep(store, index, tensor):
-        store[index] = tensor[0, positions.to(tensor.device)].detach().float().cpu()
+        store[index] = tensor[0, positions.to(tensor.device)].detach().to(precision(tensor.dtype)).cpu()
 
     hooks.append(adapter.blocks[0].register_forward_pre_hook(
         lambda mod, args, kwargs: keep(stream, 0, _hidden_arg(args, kwargs)), with_kwargs=True))
@@ -426,7 +431,7 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     if not torch.isfinite(hidden).all():
         raise ValueError("the hidden states contain NaN or inf; check the model's dtype and weights")
     targets = input_ids[0, prompt_len:].cpu()
-    model_probs = torch.softmax(logits.float(), -1).gather(-1, targets[:, None].to(device))[:, 0].cpu()
+    model_probs = torch.softmax(logits.to(precision(logits.dtype)), -1).gather(-1, targets[:, None].to(device))[:, 0].cpu()
     return Trace(input_ids.cpu(), prompt_len, targets, positions, hidden, model_probs,
                  torch.stack(mids) if sublayer else None)
 
@@ -485,8 +490,11 @@ class Readout:
         return max(1, self.memory_budget // per_row)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(rows, d) residual-stream points -> (rows, V) float32 logits exactly as the model computes."""
-        logits = self.adapter.head(self.adapter.norm(hidden.to(self.device, self.dtype))).float()
+        """(rows, d) residual-stream points -> (rows, V) logits exactly as the model computes.
+
+        float32 (float64 for a float64 model)."""
+        logits = self.adapter.head(self.adapter.norm(hidden.to(self.device, self.dtype)))
+        logits = logits.to(precision(self.dtype))
         if self.adapter.logit_scale != 1.0:
             logits = logits * self.adapter.logit_scale
         if self.adapter.softcap:
@@ -502,12 +510,12 @@ class Readout:
             targets: (...) token ids, broadcastable to ``hidden.shape[:-1]``.
 
         Returns:
-            (...) float32 probabilities (on the CPU when the input was).
+            (...) float32 probabilities, float64 for a float64 model (on the CPU when the input was).
         """
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1])
         ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
-        out = torch.empty(rows.shape[0], dtype=torch.float32, device=self.device)
+        out = torch.empty(rows.shape[0], dtype=precision(self.dtype), device=self.device)
         step = self.chunk_rows()
         for start in range(0, rows.shape[0], step):
             logits = self.logits(rows[start:start + step])
@@ -528,13 +536,13 @@ class Readout:
             targets: (...) token ids.
 
         Returns:
-            (...) float32 directional derivatives (probability per unit step along ``direction``).
+            (...) float32 (float64 for a float64 model) directional derivatives (probability per unit step along ``direction``).
         """
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.device, self.dtype)
         dirs = torch.broadcast_to(direction, hidden.shape).reshape(rows.shape).to(rows)
         ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
-        out = torch.empty(rows.shape[0], dtype=torch.float32, device=self.device)
+        out = torch.empty(rows.shape[0], dtype=precision(self.dtype), device=self.device)
         step = max(1, self.chunk_rows() // 2)  # logits and their tangent
         for start in range(0, rows.shape[0], step):
             sl = slice(start, start + step)

@@ -1,0 +1,65 @@
+"""Tiny random models built from configs, with randomised norm weights and biases."""
+import pytest
+import torch
+import transformers
+
+import iglens_core as ig
+
+transformers.logging.set_verbosity_error()
+
+
+def _randomise_norms(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if "norm" in type(module).__name__.lower() or "ln" in name.split(".")[-1]:
+                for pname, param in module.named_parameters(recurse=False):
+                    noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
+                    param.copy_(param + 0.3 * noise if pname == "weight" else 0.1 * noise)
+    return model
+
+
+def tiny_model(arch: str, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64)
+    if arch == "llama":
+        config = transformers.LlamaConfig(num_key_value_heads=2, **common)
+    elif arch == "llama32":
+        config = transformers.LlamaConfig(
+            num_key_value_heads=2, tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+            **common)
+    elif arch == "gemma3":
+        config = transformers.Gemma3TextConfig(num_key_value_heads=2, head_dim=8,
+                                               final_logit_softcapping=3.0,
+                                               sliding_window=8, **common)
+    elif arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4,
+                                         n_positions=64)
+    elif arch == "neox":
+        config = transformers.GPTNeoXConfig(use_parallel_residual=True, **common)
+    else:
+        raise KeyError(arch)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    return _randomise_norms(model, seed)
+
+
+ARCHS = ["llama", "llama32", "gemma3", "gpt2", "neox"]
+
+
+@pytest.fixture(params=ARCHS)
+def arch_model(request):
+    return tiny_model(request.param, seed=ARCHS.index(request.param))
+
+
+def random_trace(model, length=12, prompt_len=5, seed=0, sublayer=False):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen)
+    return ig.collect(model, ids, prompt_len, sublayer=sublayer)
+
+
+@pytest.fixture(scope="session")
+def packaged():
+    return ig.load_model()

@@ -1,0 +1,45 @@
+"""The embedded model end to end: encode, greedy answer, command line."""
+import torch
+
+import iglens_core as ig
+
+
+def test_greedy_answer_equals_generate(packaged):
+    model, tokenizer = packaged
+    ids, prompt_len = ig.encode(tokenizer, "What is the capital of Vietnam?", model=model,
+                                max_new_tokens=12)
+    prompt = ids[:, :prompt_len]
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                         do_sample=False, eos_token_id=ig.stop_token_ids(tokenizer))
+    new = out[0, prompt_len:].tolist()
+    while new and new[-1] in ig.stop_token_ids(tokenizer):
+        new.pop()
+    assert ids[0, prompt_len:].tolist() == new and len(new) > 0
+
+
+def test_chat_template_is_used(packaged):
+    _, tokenizer = packaged
+    ids, prompt_len = ig.encode(tokenizer, "Hello?", "Hi.")
+    text = tokenizer.decode(ids[0, :prompt_len])
+    assert "<|im_start|>user\nHello?<|im_end|>" in text and text.endswith("assistant\n")
+    plain, plain_len = ig.encode(tokenizer, "Hello?", " Hi.", chat=False)
+    assert "<|im_start|>" not in tokenizer.decode(plain[0])
+
+
+def test_command_line(capsys):
+    rc = ig.main(["What is the capital of Vietnam?", "--answer", "The capital of Vietnam is Hanoi.",
+                  "--layers", "10,20"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines() if line.startswith("'")]
+    assert len(rows) == 9
+    for row in rows:  # ... L10 L20 L30 sum Δp p_base p_final onset
+        values = [float(x) for x in row[-8:-5]]
+        assert abs(sum(values) - float(row[-5])) < 2e-3
+        assert abs(float(row[-5]) - float(row[-4])) < 1e-3
+    assert "telescoping residual" in out
+
+
+def test_command_line_bad_model(capsys):
+    assert ig.main(["Hi?", "--model", "no-such/model-xyz"]) == 2
+    assert "not available offline" in capsys.readouterr().err
