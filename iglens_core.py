@@ -175,6 +175,46 @@ def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
     return model, tokenizer
 
 
+def tiny_model(arch: str = "llama", seed: int = 0, *, n_layers: int = 6, hidden_size: int = 32,
+               vocab_size: int = 64, init_scale: float = 0.3):
+    """A tiny randomly initialised causal LM built from a config (no download), for controlled checks.
+
+    Norm weights (and biases, where the norm has them) are randomised: with unit norm weights
+    some bugs are invisible. ``init_scale`` is the weights' standard deviation; 0.3 makes the
+    output distribution far from uniform, so probabilities move along the path.
+
+    Args:
+        arch: ``"llama"`` (RMSNorm, rotary) or ``"gpt2"`` (LayerNorm with bias, learned positions).
+        seed: seed of the weights.
+
+    Returns:
+        The model, float32, in eval mode.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    _quiet_transformers()
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                             num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128, initializer_range=init_scale,
+                             tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+    elif arch == "gpt2":
+        config = GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_layer=n_layers, n_head=4,
+                            n_positions=128, initializer_range=init_scale)
+        model = GPT2LMHeadModel(config)
+    else:
+        raise ValueError(f"arch must be 'llama' or 'gpt2', got {arch!r}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or ".ln_" in name or name.startswith("ln_"):
+                if name.endswith("weight"):
+                    param.copy_(1.0 + 0.5 * torch.randn_like(param))
+                else:
+                    param.copy_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
 # ---------------------------------------------------------------------------
 # 2. Architecture adapters
 # ---------------------------------------------------------------------------
