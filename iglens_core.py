@@ -89,6 +89,13 @@ def _quiet_transformers() -> None:
     transformers.logging.disable_progress_bar()
 
 
+def _gguf_field(gguf_path: Path, key: str):
+    """One scalar metadata value of a GGUF file, or None when the file does not have it."""
+    import gguf
+    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
+    return None if field is None or not field.data else field.parts[field.data[0]][0]
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantise a GGUF file to a float32 safetensors folder (the slow step, done once).
 
@@ -101,6 +108,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     gguf_path = Path(gguf_path)
     kwargs = dict(gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    # transformers 5.18 drops the GGUF's add_bos_token flag (Gemma needs its <bos>): restore it
+    add_bos = _gguf_field(gguf_path, "tokenizer.ggml.add_bos_token")
+    if add_bos is not None:
+        tokenizer.add_bos_token = bool(add_bos)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
     # A model loaded from GGUF carries a quantization config that blocks saving; the weights are
     # already dequantised float32, so copy them into a plain model of the same config.

