@@ -1208,7 +1208,7 @@ def _target_probs_fn(model, trace: Trace, tokens, device):
 
 def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
                                steps: int = 8, method: str = "gausslegendre",
-                               tokens: Optional[Sequence[int]] = None) -> torch.Tensor:
+                               tokens: Optional[Sequence[int]] = None, return_limit: bool = False):
     """Layer Integrated Gradients (captum ``LayerIntegratedGradients``), each layer with its own baseline.
 
     Segment ``j`` (blocks ``L(j-1)+1 .. Lj``; every block by default) is attributed with captum's
@@ -1233,9 +1233,12 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
         method: captum's ``"gausslegendre"``, ``"riemann_left"``, ``"riemann_right"``,
             ``"riemann_middle"`` or ``"riemann_trapezoid"``.
         tokens: indices into the trace's targets; default all.
+        return_limit: also return what each value converges to as ``steps`` grows, captum's
+            ``F(input) - F(baseline)`` (the attribution sum minus its convergence delta).
 
     Returns:
-        (len(tokens), K) float64 probabilities.
+        (len(tokens), K) float64 probabilities; with ``return_limit`` a pair
+        ``(values, limits)`` of that shape.
     """
     from captum.attr import LayerIntegratedGradients
     _check_captum(steps, method)
@@ -1243,6 +1246,7 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
     probs = _target_probs_fn(model, trace, tokens, device)
     B = len(tokens)
     values = torch.zeros(B, len(layers), dtype=torch.float64)
+    limits = torch.zeros_like(values)
     starts = [0] + layers[:-1]
     frozen = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
@@ -1266,22 +1270,24 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
                      adapter.blocks[end - 1].register_forward_hook(gated_output)]
             try:
                 explainer = LayerIntegratedGradients(forward, probe)
-                attributions = explainer.attribute(
+                attributions, delta = explainer.attribute(
                     torch.ones(B, 1, device=device), baselines=torch.zeros(B, 1, device=device),
-                    target=list(range(B)), n_steps=steps, method=method)
+                    target=list(range(B)), n_steps=steps, method=method,
+                    return_convergence_delta=True)
             finally:
                 for hook in hooks:
                     hook.remove()
             values[:, j] = attributions.detach().double().sum((1, 2)).cpu()
+            limits[:, j] = values[:, j] - delta.detach().double().cpu()
     finally:
         for param, flag in zip(model.parameters(), frozen):
             param.requires_grad_(flag)
-    return values
+    return (values, limits) if return_limit else values
 
 
 def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
                       steps: int = 8, method: str = "gausslegendre",
-                      tokens: Optional[Sequence[int]] = None) -> torch.Tensor:
+                      tokens: Optional[Sequence[int]] = None, return_limit: bool = False):
     """Layer conductance (captum ``LayerConductance``) of each block's output, captum's standard usage.
 
     The input is the embedding output ``h_0`` at every position (the input of block 1), the
@@ -1296,10 +1302,10 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
     Cost: ``K`` captum calls, each ``steps + 1`` forward and backward passes per token.
 
     Args:
-        layers, steps, method, tokens: as :func:`layer_integrated_gradients`.
+        layers, steps, method, tokens, return_limit: as :func:`layer_integrated_gradients`.
 
     Returns:
-        (len(tokens), K) float64 probabilities.
+        (len(tokens), K) float64 probabilities (and their limits, see there).
     """
     from captum.attr import LayerConductance
     _check_captum(steps, method)
@@ -1317,6 +1323,7 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
         capture.remove()
     start = embedded["h0"].expand(B, -1, -1).clone()  # (B, S, d)
     values = torch.zeros(B, len(layers), dtype=torch.float64)
+    limits = torch.zeros_like(values)
     frozen = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
     try:
@@ -1339,17 +1346,18 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
                      adapter.blocks[end - 1].register_forward_hook(probed)]
             try:
                 explainer = LayerConductance(forward, probe)
-                attributions = explainer.attribute(start, baselines=torch.zeros_like(start),
-                                                   target=list(range(B)), n_steps=steps,
-                                                   method=method)
+                attributions, delta = explainer.attribute(
+                    start, baselines=torch.zeros_like(start), target=list(range(B)),
+                    n_steps=steps, method=method, return_convergence_delta=True)
             finally:
                 for hook in hooks:
                     hook.remove()
             values[:, j] = attributions.detach().double().sum((1, 2)).cpu()
+            limits[:, j] = values[:, j] - delta.detach().double().cpu()
     finally:
         for param, flag in zip(model.parameters(), frozen):
             param.requires_grad_(flag)
-    return values
+    return (values, limits) if return_limit else values
 
 
 CAPTUM_METHODS = ("gausslegendre", "riemann_left", "riemann_right", "riemann_middle",

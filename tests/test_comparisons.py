@@ -256,6 +256,10 @@ def test_layer_ig_is_complete_per_segment_and_does_not_sum_to_delta_p():
         assert values[0, layer - 1] == pytest.approx(float(p - removed), rel=1e-6, abs=1e-10)
     delta_p = ig.ig_lens(model, trace).delta_p[1]
     assert abs(float(values.sum()) - float(delta_p)) > 1e-4
+    # the limits captum reports are those removal effects too, already at a coarse m
+    coarse, limits = ig.layer_integrated_gradients(model, trace, steps=2, tokens=[1], return_limit=True)
+    torch.testing.assert_close(limits, values, atol=1e-8, rtol=1e-5)
+    assert (coarse - limits).abs().max() > 1e-9
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -293,6 +297,8 @@ def test_every_layer_conducts_the_whole_change():
     assert abs(change) > 1e-4
     for value in values[0]:
         assert float(value) == pytest.approx(change, rel=0.05)
+    _, limits = ig.layer_conductance(model, trace, steps=2, tokens=[0], return_limit=True)
+    torch.testing.assert_close(limits, torch.full_like(limits, change), atol=1e-10, rtol=1e-8)
 
 
 def test_captum_bad_input():
