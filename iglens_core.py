@@ -1143,19 +1143,20 @@ def train_tuned_lens(model, tokenizer, texts: Sequence[Union[str, Sequence[int]]
     model.requires_grad_(False)
     losses = []
     try:
-        for _ in tqdm(range(steps), desc="tuned lens", leave=False):
-            index = torch.randint(N, (batch_size,), generator=generator)
-            batch = hidden[:, index].to(readout.device)  # (n+1, B, d)
-            with torch.no_grad():
-                final = torch.log_softmax(readout.logits(batch[-1]), -1)  # (B, V)
-            moved = lens.translate(batch)[:-1]  # (n, B, d)
-            logq = torch.log_softmax(readout.logits(moved.reshape(-1, moved.shape[-1])), -1)
-            logq = logq.reshape(n, batch_size, -1)
-            loss = (final.exp() * (final - logq)).sum(-1).mean()
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            losses.append(loss.item())
+        with torch.enable_grad():  # callers often run with grad disabled globally
+            for _ in tqdm(range(steps), desc="tuned lens", leave=False):
+                index = torch.randint(N, (batch_size,), generator=generator)
+                batch = hidden[:, index].to(readout.device)  # (n+1, B, d)
+                with torch.no_grad():
+                    final = torch.log_softmax(readout.logits(batch[-1]), -1)  # (B, V)
+                moved = lens.translate(batch)[:-1]  # (n, B, d)
+                logq = torch.log_softmax(readout.logits(moved.reshape(-1, moved.shape[-1])), -1)
+                logq = logq.reshape(n, batch_size, -1)
+                loss = (final.exp() * (final - logq)).sum(-1).mean()
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                losses.append(loss.item())
     finally:
         for param, flag in zip(model.parameters(), frozen):
             param.requires_grad_(flag)
@@ -1270,10 +1271,11 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
                      adapter.blocks[end - 1].register_forward_hook(gated_output)]
             try:
                 explainer = LayerIntegratedGradients(forward, probe)
-                attributions, delta = explainer.attribute(
-                    torch.ones(B, 1, device=device), baselines=torch.zeros(B, 1, device=device),
-                    target=list(range(B)), n_steps=steps, method=method,
-                    return_convergence_delta=True)
+                with torch.enable_grad():
+                    attributions, delta = explainer.attribute(
+                        torch.ones(B, 1, device=device), baselines=torch.zeros(B, 1, device=device),
+                        target=list(range(B)), n_steps=steps, method=method,
+                        return_convergence_delta=True)
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -1346,9 +1348,10 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
                      adapter.blocks[end - 1].register_forward_hook(probed)]
             try:
                 explainer = LayerConductance(forward, probe)
-                attributions, delta = explainer.attribute(
-                    start, baselines=torch.zeros_like(start), target=list(range(B)),
-                    n_steps=steps, method=method, return_convergence_delta=True)
+                with torch.enable_grad():
+                    attributions, delta = explainer.attribute(
+                        start, baselines=torch.zeros_like(start), target=list(range(B)),
+                        n_steps=steps, method=method, return_convergence_delta=True)
             finally:
                 for hook in hooks:
                     hook.remove()

@@ -314,3 +314,14 @@ def test_captum_bad_input():
         ig.layer_conductance(model, trace, layers=[0])
     with pytest.raises(ValueError, match="mode"):
         ig.dla_probability(model, trace, mode="softmax")
+
+
+def test_training_and_captum_work_with_grad_disabled():
+    """Notebooks run under torch.set_grad_enabled(False); the methods that need grad turn it on."""
+    model = tiny_model("llama", seed=0)
+    trace = random_trace(model)
+    with torch.no_grad():
+        lens = ig.train_tuned_lens(model, None, _texts(model, 2), steps=3, cache=False)
+        values = ig.layer_integrated_gradients(model, trace, steps=2, tokens=[0])
+        conductance = ig.layer_conductance(model, trace, steps=2, tokens=[0])
+    assert len(lens.info["loss"]) == 3 and torch.isfinite(values).all() and torch.isfinite(conductance).all()
