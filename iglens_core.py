@@ -415,6 +415,20 @@ class Trace:
         return [tokenizer.decode([t]) for t in self.targets.tolist()]
 
 
+def word_tokens(tokens: Sequence[str], word: str) -> list[int]:
+    """Indices of the tokens that overlap the last occurrence of ``word`` in the joined tokens.
+
+    E.g. ``word_tokens([' is', ' H', 'ano', 'i', '.'], "Hanoi") == [1, 2, 3]``.
+    """
+    text = "".join(tokens)
+    start = text.rfind(word) if word else -1
+    if start < 0:
+        raise ValueError(f"word {word!r} does not occur in the tokens {text!r}")
+    ends = np.cumsum([len(token) for token in tokens])
+    return [i for i, (end, token) in enumerate(zip(ends, tokens))
+            if end > start and end - len(token) < start + len(word)]
+
+
 def precision(dtype: torch.dtype) -> torch.dtype:
     """Working precision of IG-Lens results: float64 for a float64 model, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
