@@ -416,19 +416,8 @@ def _first_output(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-@torch.no_grad()
-def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool = False) -> Trace:
-    """One forward pass; record the residual stream at every block boundary.
-
-    ``hidden[n]`` is captured as the *input* of the final norm: Hugging Face's last
-    ``hidden_states`` entry is already normalised for Llama-style models, and normalising it
-    again gives probabilities that are not the model's.
-
-    Args:
-        input_ids: (1, L) or (L,) long.
-        prompt_len: first answer position, in ``1..L-1``.
-        sublayer: also record the residual between attention and MLP of each block.
-    """
+def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
+    """Validate one sequence for the collector; returns it as (1, L) long."""
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -442,26 +431,56 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     if context is not None and length > context:
         raise ValueError(f"sequence of {length} tokens is longer than the model's context of "
                          f"{context}")
+    return input_ids
+
+
+def _stream_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None],
+                  keep_mid: Optional[Callable[[int, torch.Tensor], None]] = None) -> list:
+    """Hooks handing the residual stream to ``keep(index, tensor)``, tensor (B, L, d).
+
+    ``index`` 0 is the input of block 1, ``index`` L in 1..n-1 the output of block L, and
+    ``index`` n the input of the final norm. ``keep_mid(layer, tensor)`` (optional) gets the
+    residual between attention and MLP of block ``layer + 1``.
+    """
+    n = adapter.n_layers
+    hooks = [adapter.blocks[0].register_forward_pre_hook(
+        lambda mod, args, kwargs: keep(0, _hidden_arg(args, kwargs)), with_kwargs=True)]
+    for layer, block in enumerate(adapter.blocks[:-1], start=1):
+        hooks.append(block.register_forward_hook(
+            lambda mod, args, out, layer=layer: keep(layer, _first_output(out))))
+    hooks.append(adapter.norm.register_forward_pre_hook(lambda mod, args: keep(n, args[0])))
+    if keep_mid is not None:
+        hooks += _mid_hooks(adapter, keep_mid)
+    return hooks
+
+
+@torch.no_grad()
+def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool = False) -> Trace:
+    """One forward pass; record the residual stream at every block boundary.
+
+    ``hidden[n]`` is captured as the *input* of the final norm: Hugging Face's last
+    ``hidden_states`` entry is already normalised for Llama-style models, and normalising it
+    again gives probabilities that are not the model's.
+
+    Args:
+        input_ids: (1, L) or (L,) long.
+        prompt_len: first answer position, in ``1..L-1``.
+        sublayer: also record the residual between attention and MLP of each block.
+    """
+    input_ids = _check_sequence(model, input_ids, prompt_len)
+    length = input_ids.shape[1]
     adapter = get_adapter(model)
     n = adapter.n_layers
     device = next(model.parameters()).device
     positions = torch.arange(prompt_len - 1, length - 1)
     stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
     mids: list[Optional[torch.Tensor]] = [None] * n
-    hooks = []
 
     def keep(store, index, tensor):
         store[index] = tensor[0, positions.to(tensor.device)].detach().to(precision(tensor.dtype)).cpu()
 
-    hooks.append(adapter.blocks[0].register_forward_pre_hook(
-        lambda mod, args, kwargs: keep(stream, 0, _hidden_arg(args, kwargs)), with_kwargs=True))
-    for layer, block in enumerate(adapter.blocks[:-1], start=1):
-        hooks.append(block.register_forward_hook(
-            lambda mod, args, out, layer=layer: keep(stream, layer, _first_output(out))))
-    hooks.append(adapter.norm.register_forward_pre_hook(
-        lambda mod, args: keep(stream, n, args[0])))
-    if sublayer:
-        hooks += _mid_hooks(adapter, lambda layer, tensor: keep(mids, layer, tensor))
+    hooks = _stream_hooks(adapter, lambda index, tensor: keep(stream, index, tensor),
+                          (lambda layer, tensor: keep(mids, layer, tensor)) if sublayer else None)
     try:
         logits = model(input_ids.to(device), use_cache=False).logits[0, positions.to(device)]
     finally:
@@ -474,6 +493,75 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     model_probs = torch.softmax(logits.to(precision(logits.dtype)), -1).gather(-1, targets[:, None].to(device))[:, 0].cpu()
     return Trace(input_ids.cpu(), prompt_len, targets, positions, hidden, model_probs,
                  torch.stack(mids) if sublayer else None)
+
+
+@torch.no_grad()
+def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch_size: int = 8,
+                  sublayer: bool = False, pad_token_id: int = 0) -> list[Trace]:
+    """:func:`collect` for many sequences, ``batch_size`` at a time; the same traces.
+
+    Sequences of similar length are batched together (order restored on return), LEFT-padded
+    with an attention mask, and given ``position_ids = cumsum(mask) - 1`` (clamped at 0 on the
+    padding) explicitly: Hugging Face models count positions from the first column of the batch
+    whatever the mask says, which shifts learned absolute positions (GPT-2) of padded rows.
+    Padding is never attended to and never recorded.
+
+    Args:
+        sequences: ``(input_ids (1, L) or (L,), prompt_len)`` pairs, as :func:`encode` returns.
+        batch_size: sequences per forward pass (>= 1).
+        sublayer: also record the residual between attention and MLP of each block.
+        pad_token_id: id placed on the padding (any valid id: it is masked out).
+
+    Returns:
+        One :class:`Trace` per sequence, in input order, equal to ``collect(model, *sequence)``
+        up to float rounding of the batched matrix products.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    checked = [(_check_sequence(model, ids, int(prompt_len)), int(prompt_len))
+               for ids, prompt_len in sequences]
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    device = next(model.parameters()).device
+    order = sorted(range(len(checked)), key=lambda i: checked[i][0].shape[1])
+    traces: list[Optional[Trace]] = [None] * len(checked)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(checked[i][0].shape[1] for i in chunk)
+        input_ids = torch.full((len(chunk), width), int(pad_token_id), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids = checked[i][0][0]
+            input_ids[row, width - len(ids):] = ids
+            mask[row, width - len(ids):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
+        mids: list[Optional[torch.Tensor]] = [None] * n
+        hooks = _stream_hooks(adapter, lambda index, tensor: stream.__setitem__(index, tensor.detach()),
+                              (lambda layer, tensor: mids.__setitem__(layer, tensor.detach()))
+                              if sublayer else None)
+        try:
+            logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                           position_ids=position_ids.to(device), use_cache=False).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for row, i in enumerate(chunk):
+            ids, prompt_len = checked[i]
+            length = ids.shape[1]
+            positions = torch.arange(prompt_len - 1, length - 1)
+            picked = (positions + width - length).to(device)  # the same positions in the padded row
+            work = precision(stream[0].dtype)
+            hidden = torch.stack([s[row, picked] for s in stream]).to(work).cpu()  # (n+1, T, d)
+            if not torch.isfinite(hidden).all():
+                raise ValueError("the hidden states contain NaN or inf; check the model's dtype "
+                                 "and weights")
+            targets = ids[0, prompt_len:].cpu()
+            probs = torch.softmax(logits[row, picked].to(precision(logits.dtype)), -1)
+            model_probs = probs.gather(-1, targets[:, None].to(device))[:, 0].cpu()
+            mid = torch.stack([s[row, picked] for s in mids]).to(work).cpu() if sublayer else None
+            traces[i] = Trace(ids.cpu(), prompt_len, targets, positions, hidden, model_probs, mid)
+    return traces
 
 
 def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> list:
