@@ -7,8 +7,10 @@ One plain module. Sections, in reading order:
 3. prompts and the collector (one forward pass -> a ``Trace``)
 4. the head-once readout ``Readout``
 5. the integrator and its estimators (``ig_lens`` -> ``Attribution``)
-6. plotting and figures
-7. command line
+6. ablation ``ablation_effects`` (total causal effect of a block, attention or MLP)
+7. onset metrics (Spearman, top-1, the falsification test, bootstrap intervals)
+8. plotting and figures
+9. command line
 
 Notation used in shapes: ``T`` predicting positions (answer tokens), ``n`` blocks,
 ``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
@@ -27,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -933,7 +937,225 @@ def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.
 
 
 # ---------------------------------------------------------------------------
-# 6. Plotting and figures
+# 6. Ablation (total causal effect of a block, for the falsification test)
+# ---------------------------------------------------------------------------
+
+ABLATION_MODES = ("zero", "mean")
+ABLATION_PARTS = (None, "attn", "mlp")
+_ATTENTIONS = ("self_attn", "attn", "attention")
+_MLPS = ("mlp", "feed_forward")
+
+
+def _ablated_module(block: nn.Module, part: Optional[str]) -> nn.Module:
+    if part is None:
+        return block
+    module = _first_attr(block, _ATTENTIONS if part == "attn" else _MLPS)
+    if module is None:
+        raise ValueError(f"cannot find the {part} module of block {type(block).__name__} "
+                         f"(looked for {_ATTENTIONS if part == 'attn' else _MLPS})")
+    return module
+
+
+def _with_first(output, first: torch.Tensor):
+    return (first,) + tuple(output[1:]) if isinstance(output, (tuple, list)) else first
+
+
+def _ablation_hook(rows: torch.Tensor, mode: str, whole_block: bool):
+    """Forward hook replacing the update of ``rows`` of the batch (one ablated layer per row)."""
+    def hook(module, args, kwargs, output):
+        out = _first_output(output)
+        start = _hidden_arg(args, kwargs) if whole_block else torch.zeros_like(out)
+        update = out[rows] - start[rows]  # (r, L, d) the block's (or sub-module's) update
+        replaced = torch.zeros_like(update) if mode == "zero" else update.mean(1, keepdim=True).expand_as(update)
+        out = out.clone()
+        out[rows] = start[rows] + replaced
+        return _with_first(output, out)
+    return hook
+
+
+@torch.no_grad()
+def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optional[Sequence[int]] = None,
+                     part: Optional[str] = None, batch_size: int = 8) -> torch.Tensor:
+    """Drop in each target's probability when one block's residual update is removed.
+
+    For block ``L`` the forward pass is rerun over the whole sequence with that block's update
+    replaced at *every* position (prompt and answer), and the effect on target ``t`` is
+    ``p_final[t] - p_ablated[t]`` (probability; positive = the block helped). This is a total
+    causal effect: it includes everything the block's output does through the later blocks,
+    which IG-Lens by design does not measure.
+
+    Modes. ``"zero"``: the block becomes an identity (its output is its input), i.e. the update
+    ``h_L - h_(L-1)`` is set to 0. ``"mean"``: the update at every position is replaced by its
+    mean over the sequence's positions (all of them, the first included), so the block still
+    adds its typical vector but nothing position-specific.
+
+    Parts. ``part="attn"`` or ``"mlp"`` removes only that sub-update: the output of the block's
+    attention (``self_attn`` / ``attn`` / ``attention``) or MLP module is set to 0 (``"zero"``)
+    or to its mean over positions (``"mean"``). For Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX that
+    output is exactly the residual update; for Gemma it passes through the block's post-norm
+    afterwards (zero stays zero; the mean is taken before that norm).
+
+    Cost. Ablating one layer is one forward pass over the sequence, and it gives all ``T``
+    targets at once. ``batch_size`` copies of the sequence run in one batch, copy ``i`` with
+    its own ablated layer (one forward per ``batch_size`` layers).
+
+    Args:
+        model: the causal LM that produced ``trace``.
+        trace: from :func:`collect`; ``trace.model_probs`` is ``p_final``.
+        mode: one of :data:`ABLATION_MODES`.
+        layers: blocks to ablate, in ``1..n``; default all.
+        part: one of :data:`ABLATION_PARTS`.
+        batch_size: sequence copies (ablated layers) per forward pass, >= 1.
+
+    Returns:
+        (T, len(layers)) float32 (float64 for a float64 model) probability drops.
+    """
+    if mode not in ABLATION_MODES:
+        raise ValueError(f"mode must be one of {ABLATION_MODES}, got {mode!r}")
+    if part not in ABLATION_PARTS:
+        raise ValueError(f"part must be one of {ABLATION_PARTS}, got {part!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    if layers is None:
+        layers = list(range(1, n + 1))
+    layers = [int(layer) for layer in layers]
+    bad = [layer for layer in layers if not 1 <= layer <= n]
+    if bad or not layers:
+        raise ValueError(f"layers must be a non-empty list of blocks in 1..{n}, got {layers}")
+    modules = [_ablated_module(adapter.blocks[layer - 1], part) for layer in layers]
+    device = next(model.parameters()).device
+    input_ids = trace.input_ids.to(device)
+    positions, targets = trace.positions.to(device), trace.targets.to(device)
+    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+    p_ablated = []
+    for start in range(0, len(layers), batch_size):
+        chunk = modules[start:start + batch_size]
+        hooks = [module.register_forward_hook(
+            _ablation_hook(torch.tensor([row], device=device), mode, part is None), with_kwargs=True)
+            for row, module in enumerate(chunk)]
+        try:
+            batch = input_ids.expand(len(chunk), -1)
+            if keep_logits:  # the head only at the predicting positions
+                logits = model(batch, use_cache=False, logits_to_keep=positions).logits  # (B, T, V)
+            else:
+                logits = model(batch, use_cache=False).logits[:, positions]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        probs = torch.softmax(logits.to(precision(logits.dtype)), -1)
+        p_ablated.append(probs.gather(-1, targets[None, :, None].expand(len(chunk), -1, 1))[..., 0])
+    p_ablated = torch.cat(p_ablated).T.cpu()  # (T, len(layers))
+    return trace.model_probs[:, None].to(p_ablated.dtype) - p_ablated
+
+
+# ---------------------------------------------------------------------------
+# 7. Onset metrics (does a per-layer score rank layers the way ablation does?)
+# ---------------------------------------------------------------------------
+
+def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
+    scores = np.asarray(torch.as_tensor(scores, dtype=torch.float64))
+    effects = np.asarray(torch.as_tensor(effects, dtype=torch.float64))
+    if scores.ndim != 2 or scores.shape != effects.shape:
+        raise ValueError(f"scores and effects must both have shape (T, n), got {scores.shape} "
+                         f"and {effects.shape}")
+    return scores, effects
+
+
+def spearman_rows(scores, effects) -> np.ndarray:
+    """(T,) Spearman rank correlation, per token, between a per-layer score and ablation effects.
+
+    Args:
+        scores, effects: (T, n), e.g. IG-Lens values and :func:`ablation_effects`.
+
+    Returns:
+        (T,) float64 in [-1, 1]; NaN for a token whose scores or effects are all equal.
+    """
+    from scipy.stats import spearmanr
+    scores, effects = _check_pair(scores, effects)
+    out = np.full(len(scores), np.nan)
+    for t, (a, b) in enumerate(zip(scores, effects)):
+        if np.ptp(a) > 0 and np.ptp(b) > 0:
+            out[t] = spearmanr(a, b).statistic
+    return out
+
+
+def top1_agreement(scores, effects) -> np.ndarray:
+    """(T,) 1.0 where the top-scored layer is also the layer whose ablation hurts most, else 0.0."""
+    scores, effects = _check_pair(scores, effects)
+    return (scores.argmax(-1) == effects.argmax(-1)).astype(float)
+
+
+def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -> np.ndarray:
+    """(T,) the falsification test: does ablating the named layer hurt more than is typical below it?
+
+    For each token the method names a layer (its top-scored layer, or ``named``); the test
+    passes (1.0) when that layer's ablation effect exceeds the median effect of the layers the
+    method scores lower, and fails (0.0) otherwise; NaN where no layer scores lower.
+
+    Args:
+        scores, effects: (T, n).
+        named: (T,) indices (0-based, into the n layers) of the named layer; default argmax.
+    """
+    scores, effects = _check_pair(scores, effects)
+    named = scores.argmax(-1) if named is None else np.asarray(named, dtype=int)
+    if named.shape != (len(scores),) or named.min(initial=0) < 0 or named.max(initial=0) >= scores.shape[1]:
+        raise ValueError(f"named must hold {len(scores)} layer indices in 0..{scores.shape[1] - 1}")
+    out = np.full(len(scores), np.nan)
+    for t, j in enumerate(named):
+        lower = scores[t] < scores[t, j]
+        if lower.any():
+            out[t] = float(effects[t, j] > np.median(effects[t, lower]))
+    return out
+
+
+def non_monotone(lens, drop: float = 0.05) -> np.ndarray:
+    """(T,) True where the logit-lens trajectory falls by more than ``drop`` below its running maximum.
+
+    Args:
+        lens: (T, n+1) target probability at the path nodes (``Attribution.lens``).
+        drop: probability; a trajectory that never falls more than this is called monotone.
+    """
+    lens = np.asarray(torch.as_tensor(lens, dtype=torch.float64))
+    if lens.ndim != 2:
+        raise ValueError(f"lens must have shape (T, n+1), got {lens.shape}")
+    if not 0.0 <= drop < 1.0:
+        raise ValueError(f"drop must be a probability in [0, 1), got {drop}")
+    return (np.maximum.accumulate(lens, -1) - lens).max(-1) > drop
+
+
+def bootstrap_ci(values, *, statistic: Callable = np.nanmean, n_boot: int = 2000,
+                 level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """Percentile bootstrap of a statistic over items (resampled with replacement, seeded).
+
+    Args:
+        values: (N,) one number per item (NaN entries are ignored by the default ``np.nanmean``).
+        statistic: maps an (N,) sample (or (n_boot, N) with ``axis=-1``) to a number.
+
+    Returns:
+        ``(estimate, low, high)``; all NaN for an empty input.
+    """
+    values = np.asarray(values, dtype=float)
+    if values.ndim != 1:
+        raise ValueError(f"values must be one-dimensional, got shape {values.shape}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if isinstance(n_boot, bool) or not isinstance(n_boot, (int, np.integer)) or n_boot < 1:
+        raise ValueError(f"n_boot must be an integer >= 1, got {n_boot!r}")
+    if np.isnan(values).all():
+        return (math.nan, math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    samples = values[rng.integers(0, len(values), size=(n_boot, len(values)))]
+    with warnings.catch_warnings():  # a resample of only NaNs gives NaN, quietly
+        warnings.simplefilter("ignore", RuntimeWarning)
+        boot = statistic(samples, axis=-1)
+    low, high = np.nanquantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return float(statistic(values)), float(low), float(high)
+
+
+# ---------------------------------------------------------------------------
+# 8. Plotting and figures
 # ---------------------------------------------------------------------------
 
 def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = None) -> Path:
@@ -991,7 +1213,7 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
 
 
 # ---------------------------------------------------------------------------
-# 7. Command line
+# 9. Command line
 # ---------------------------------------------------------------------------
 
 def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: int = 30) -> str:
