@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import math
 import os
 import sys
@@ -973,6 +972,38 @@ def _ablation_hook(rows: torch.Tensor, mode: str, whole_block: bool):
     return hook
 
 
+def _block_calls(model, adapter: Adapter, input_ids: torch.Tensor) -> list[tuple[tuple, dict]]:
+    """One clean forward; the ``(args, kwargs)`` each block was called with (inputs detached)."""
+    calls: list = [None] * adapter.n_layers
+
+    def record(layer):
+        def hook(module, args, kwargs):
+            calls[layer] = (tuple(args), dict(kwargs))
+        return hook
+
+    hooks = [block.register_forward_pre_hook(record(layer), with_kwargs=True)
+             for layer, block in enumerate(adapter.blocks)]
+    try:
+        model(input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Blocks ``first+1 .. n`` (0-based ``first``) on ``hidden`` (B, L, d), with the clean call's
+    other arguments (masks, rotary position embeddings: the same for every copy)."""
+    for layer in range(first, adapter.n_layers):
+        args, kwargs = calls[layer]
+        if args:
+            out = adapter.blocks[layer](hidden, *args[1:], **kwargs)
+        else:
+            out = adapter.blocks[layer](**{**kwargs, "hidden_states": hidden})
+        hidden = _first_output(out)
+    return hidden
+
+
 @torch.no_grad()
 def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optional[Sequence[int]] = None,
                      part: Optional[str] = None, batch_size: int = 8) -> torch.Tensor:
@@ -980,9 +1011,10 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
 
     For block ``L`` the forward pass is rerun over the whole sequence with that block's update
     replaced at *every* position (prompt and answer), and the effect on target ``t`` is
-    ``p_final[t] - p_ablated[t]`` (probability; positive = the block helped). This is a total
-    causal effect: it includes everything the block's output does through the later blocks,
-    which IG-Lens by design does not measure.
+    ``p_final[t] - p_ablated[t]`` (probability; positive = the block helped), with ``p_final``
+    the head-once readout of ``hidden[n]``, which is the model's own probability. This is a
+    total causal effect: it includes everything the block's output does through the later
+    blocks, which IG-Lens by design does not measure.
 
     Modes. ``"zero"``: the block becomes an identity (its output is its input), i.e. the update
     ``h_L - h_(L-1)`` is set to 0. ``"mean"``: the update at every position is replaced by its
@@ -995,17 +1027,18 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
     output is exactly the residual update; for Gemma it passes through the block's post-norm
     afterwards (zero stays zero; the mean is taken before that norm).
 
-    Cost. Ablating one layer is one forward pass over the sequence, and it gives all ``T``
-    targets at once. ``batch_size`` copies of the sequence run in one batch, copy ``i`` with
-    its own ablated layer (one forward per ``batch_size`` layers).
+    Cost. One clean forward records each block's call; then ``batch_size`` copies of the
+    sequence, copy ``i`` ablating its own layer, run together from the input of the lowest
+    ablated block of the batch (blocks below it are unaffected, so they are not rerun). Each
+    run gives all ``T`` targets at once.
 
     Args:
         model: the causal LM that produced ``trace``.
-        trace: from :func:`collect`; ``trace.model_probs`` is ``p_final``.
+        trace: from :func:`collect`.
         mode: one of :data:`ABLATION_MODES`.
         layers: blocks to ablate, in ``1..n``; default all.
         part: one of :data:`ABLATION_PARTS`.
-        batch_size: sequence copies (ablated layers) per forward pass, >= 1.
+        batch_size: sequence copies (ablated layers) per run, >= 1.
 
     Returns:
         (T, len(layers)) float32 (float64 for a float64 model) probability drops.
@@ -1024,30 +1057,28 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
     bad = [layer for layer in layers if not 1 <= layer <= n]
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of blocks in 1..{n}, got {layers}")
-    modules = [_ablated_module(adapter.blocks[layer - 1], part) for layer in layers]
+    readout = Readout(model)
     device = next(model.parameters()).device
-    input_ids = trace.input_ids.to(device)
+    calls = _block_calls(model, adapter, trace.input_ids.to(device))
     positions, targets = trace.positions.to(device), trace.targets.to(device)
-    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-    p_ablated = []
-    for start in range(0, len(layers), batch_size):
-        chunk = modules[start:start + batch_size]
-        hooks = [module.register_forward_hook(
+    order = sorted(range(len(layers)), key=lambda i: layers[i])  # neighbours share a start block
+    p_ablated = torch.empty(len(layers), len(targets), dtype=readout.dtype if readout.dtype == torch.float64
+                            else torch.float32)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        first = min(layers[i] for i in chunk) - 1  # 0-based block the run starts at
+        hooks = [_ablated_module(adapter.blocks[layers[i] - 1], part).register_forward_hook(
             _ablation_hook(torch.tensor([row], device=device), mode, part is None), with_kwargs=True)
-            for row, module in enumerate(chunk)]
+            for row, i in enumerate(chunk)]
         try:
-            batch = input_ids.expand(len(chunk), -1)
-            if keep_logits:  # the head only at the predicting positions
-                logits = model(batch, use_cache=False, logits_to_keep=positions).logits  # (B, T, V)
-            else:
-                logits = model(batch, use_cache=False).logits[:, positions]
+            hidden = _hidden_arg(*calls[first]).expand(len(chunk), -1, -1)  # (B, L, d)
+            hidden = _run_blocks(adapter, calls, first, hidden)
         finally:
             for hook in hooks:
                 hook.remove()
-        probs = torch.softmax(logits.to(precision(logits.dtype)), -1)
-        p_ablated.append(probs.gather(-1, targets[None, :, None].expand(len(chunk), -1, 1))[..., 0])
-    p_ablated = torch.cat(p_ablated).T.cpu()  # (T, len(layers))
-    return trace.model_probs[:, None].to(p_ablated.dtype) - p_ablated
+        p_ablated[chunk] = readout(hidden[:, positions], targets[None]).cpu().to(p_ablated.dtype)  # (B, T)
+    p_final = readout(trace.hidden[-1], trace.targets).to(p_ablated.dtype)  # (T,)
+    return p_final[:, None] - p_ablated.T
 
 
 # ---------------------------------------------------------------------------
