@@ -374,6 +374,33 @@ def greedy_answer(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: i
     return new
 
 
+def token_span(tokenizer, ids: Sequence[int], text: str, *, ignore_case: bool = True) -> Optional[tuple[int, int]]:
+    """Token indices ``(start, stop)`` of the first occurrence of ``text`` in ``decode(ids)``.
+
+    ``ids[start]`` is the token holding the first character of ``text`` (with a leading space
+    token such as ``" Paris"`` this is that token) and ``ids[stop - 1]`` the one holding its last.
+
+    Args:
+        ids: token ids, e.g. an answer ``input_ids[0, prompt_len:]``.
+        text: the substring to find, e.g. a fact's object.
+        ignore_case: match case-insensitively ("Hydrogen" for "hydrogen").
+
+    Returns:
+        ``(start, stop)`` or None when ``text`` does not occur.
+    """
+    if not text:
+        raise ValueError("text must be a non-empty string")
+    ids = [int(i) for i in ids]
+    decoded = tokenizer.decode(ids)
+    at = (decoded.lower().find(text.lower()) if ignore_case else decoded.find(text))
+    if at < 0:
+        return None
+    ends = [len(tokenizer.decode(ids[:k + 1])) for k in range(len(ids))]  # decoded prefix lengths
+    start = next(k for k, end in enumerate(ends) if end > at)
+    stop = next(k for k, end in enumerate(ends) if end >= at + len(text)) + 1
+    return start, stop
+
+
 @dataclass
 class Trace:
     """Residual stream of one sequence at its predicting positions.

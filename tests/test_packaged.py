@@ -43,3 +43,16 @@ def test_command_line(capsys):
 def test_command_line_bad_model(capsys):
     assert ig.main(["Hi?", "--model", "no-such/model-xyz"]) == 2
     assert "not available offline" in capsys.readouterr().err
+
+
+def test_token_span_finds_the_object(packaged):
+    _, tokenizer = packaged
+    ids = tokenizer("The element with the symbol H is Hydrogen.", add_special_tokens=False)["input_ids"]
+    start, stop = ig.token_span(tokenizer, ids, "hydrogen")
+    assert tokenizer.decode(ids[start:stop]).strip().lower() == "hydrogen"
+    assert "hydrogen" not in tokenizer.decode(ids[:stop - 1]).lower()
+    assert ig.token_span(tokenizer, ids, "hydrogen", ignore_case=False) is None
+    assert ig.token_span(tokenizer, ids, "helium") is None
+    ids = tokenizer("The capital is Paris.", add_special_tokens=False)["input_ids"]
+    start, stop = ig.token_span(tokenizer, ids, "Paris")
+    assert tokenizer.decode(ids[start]) == " Paris" and stop == start + 1
