@@ -8,8 +8,10 @@ One plain module. Sections, in reading order:
 4. the head-once readout ``Readout``
 5. the integrator and its estimators (``ig_lens`` -> ``Attribution``)
 6. comparisons: direct logit attribution, tuned lens, layer IG and conductance (captum)
-7. plotting and figures
-8. command line
+7. ablation ``ablation_effects`` (total causal effect of a block, attention or MLP)
+8. onset metrics (Spearman, top-1, the falsification test, bootstrap intervals)
+9. plotting and figures
+10. command line
 
 Notation used in shapes: ``T`` predicting positions (answer tokens), ``n`` blocks,
 ``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
@@ -31,6 +33,7 @@ import importlib.util
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -383,6 +386,65 @@ def greedy_answer(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: i
     return new
 
 
+def token_span(tokenizer, ids: Sequence[int], text: str, *, ignore_case: bool = True) -> Optional[tuple[int, int]]:
+    """Token indices ``(start, stop)`` of the first occurrence of ``text`` in ``decode(ids)``.
+
+    ``ids[start]`` is the token holding the first character of ``text`` (with a leading space
+    token such as ``" Paris"`` this is that token) and ``ids[stop - 1]`` the one holding its last.
+
+    Args:
+        ids: token ids, e.g. an answer ``input_ids[0, prompt_len:]``.
+        text: the substring to find, e.g. a fact's object.
+        ignore_case: match case-insensitively ("Hydrogen" for "hydrogen").
+
+    Returns:
+        ``(start, stop)`` or None when ``text`` does not occur.
+    """
+    if not text:
+        raise ValueError("text must be a non-empty string")
+    ids = [int(i) for i in ids]
+    decoded = tokenizer.decode(ids)
+    at = (decoded.lower().find(text.lower()) if ignore_case else decoded.find(text))
+    if at < 0:
+        return None
+    ends = [len(tokenizer.decode(ids[:k + 1])) for k in range(len(ids))]  # decoded prefix lengths
+    start = next(k for k, end in enumerate(ends) if end > at)
+    stop = next(k for k, end in enumerate(ends) if end >= at + len(text)) + 1
+    return start, stop
+
+
+@dataclass
+class Trace:
+    """Residual stream of one sequence at its predicting positions.
+
+    Attributes:
+        input_ids: (1, L) the whole sequence.
+        prompt_len: answer tokens are ``input_ids[0, prompt_len:]``.
+        targets: (T,) token predicted at each position, ``T = L - prompt_len``.
+        positions: (T,) index of the predicting position, ``prompt_len - 1 + arange(T)``.
+        hidden: (n+1, T, d) ``hidden[0]`` the embedding output (input of block 1),
+            ``hidden[L]`` the output of block L, ``hidden[n]`` the input of the final norm.
+        model_probs: (T,) the model's own softmax probability of each target.
+        mid: (n, T, d) or None. With ``sublayer=True``: the residual between attention and MLP
+            of each block.
+    """
+    input_ids: torch.Tensor
+    prompt_len: int
+    targets: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    model_probs: torch.Tensor
+    mid: Optional[torch.Tensor] = None
+
+    @property
+    def n_layers(self) -> int:
+        return self.hidden.shape[0] - 1
+
+    def tokens(self, tokenizer) -> list[str]:
+        """The target tokens as text."""
+        return [tokenizer.decode([t]) for t in self.targets.tolist()]
+
+
 @dataclass
 class Trace:
     """Residual stream of one sequence at its predicting positions.
@@ -442,19 +504,8 @@ def _first_output(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-@torch.no_grad()
-def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool = False) -> Trace:
-    """One forward pass; record the residual stream at every block boundary.
-
-    ``hidden[n]`` is captured as the *input* of the final norm: Hugging Face's last
-    ``hidden_states`` entry is already normalised for Llama-style models, and normalising it
-    again gives probabilities that are not the model's.
-
-    Args:
-        input_ids: (1, L) or (L,) long.
-        prompt_len: first answer position, in ``1..L-1``.
-        sublayer: also record the residual between attention and MLP of each block.
-    """
+def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
+    """Validate one sequence for the collector; returns it as (1, L) long."""
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -468,26 +519,56 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     if context is not None and length > context:
         raise ValueError(f"sequence of {length} tokens is longer than the model's context of "
                          f"{context}")
+    return input_ids
+
+
+def _stream_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None],
+                  keep_mid: Optional[Callable[[int, torch.Tensor], None]] = None) -> list:
+    """Hooks handing the residual stream to ``keep(index, tensor)``, tensor (B, L, d).
+
+    ``index`` 0 is the input of block 1, ``index`` L in 1..n-1 the output of block L, and
+    ``index`` n the input of the final norm. ``keep_mid(layer, tensor)`` (optional) gets the
+    residual between attention and MLP of block ``layer + 1``.
+    """
+    n = adapter.n_layers
+    hooks = [adapter.blocks[0].register_forward_pre_hook(
+        lambda mod, args, kwargs: keep(0, _hidden_arg(args, kwargs)), with_kwargs=True)]
+    for layer, block in enumerate(adapter.blocks[:-1], start=1):
+        hooks.append(block.register_forward_hook(
+            lambda mod, args, out, layer=layer: keep(layer, _first_output(out))))
+    hooks.append(adapter.norm.register_forward_pre_hook(lambda mod, args: keep(n, args[0])))
+    if keep_mid is not None:
+        hooks += _mid_hooks(adapter, keep_mid)
+    return hooks
+
+
+@torch.no_grad()
+def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool = False) -> Trace:
+    """One forward pass; record the residual stream at every block boundary.
+
+    ``hidden[n]`` is captured as the *input* of the final norm: Hugging Face's last
+    ``hidden_states`` entry is already normalised for Llama-style models, and normalising it
+    again gives probabilities that are not the model's.
+
+    Args:
+        input_ids: (1, L) or (L,) long.
+        prompt_len: first answer position, in ``1..L-1``.
+        sublayer: also record the residual between attention and MLP of each block.
+    """
+    input_ids = _check_sequence(model, input_ids, prompt_len)
+    length = input_ids.shape[1]
     adapter = get_adapter(model)
     n = adapter.n_layers
     device = next(model.parameters()).device
     positions = torch.arange(prompt_len - 1, length - 1)
     stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
     mids: list[Optional[torch.Tensor]] = [None] * n
-    hooks = []
 
     def keep(store, index, tensor):
         store[index] = tensor[0, positions.to(tensor.device)].detach().to(precision(tensor.dtype)).cpu()
 
-    hooks.append(adapter.blocks[0].register_forward_pre_hook(
-        lambda mod, args, kwargs: keep(stream, 0, _hidden_arg(args, kwargs)), with_kwargs=True))
-    for layer, block in enumerate(adapter.blocks[:-1], start=1):
-        hooks.append(block.register_forward_hook(
-            lambda mod, args, out, layer=layer: keep(stream, layer, _first_output(out))))
-    hooks.append(adapter.norm.register_forward_pre_hook(
-        lambda mod, args: keep(stream, n, args[0])))
-    if sublayer:
-        hooks += _mid_hooks(adapter, lambda layer, tensor: keep(mids, layer, tensor))
+    hooks = _stream_hooks(adapter, lambda index, tensor: keep(stream, index, tensor),
+                          (lambda layer, tensor: keep(mids, layer, tensor)) if sublayer else None)
     try:
         logits = model(input_ids.to(device), use_cache=False).logits[0, positions.to(device)]
     finally:
@@ -500,6 +581,75 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     model_probs = torch.softmax(logits.to(precision(logits.dtype)), -1).gather(-1, targets[:, None].to(device))[:, 0].cpu()
     return Trace(input_ids.cpu(), prompt_len, targets, positions, hidden, model_probs,
                  torch.stack(mids) if sublayer else None)
+
+
+@torch.no_grad()
+def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch_size: int = 8,
+                  sublayer: bool = False, pad_token_id: int = 0) -> list[Trace]:
+    """:func:`collect` for many sequences, ``batch_size`` at a time; the same traces.
+
+    Sequences of similar length are batched together (order restored on return), LEFT-padded
+    with an attention mask, and given ``position_ids = cumsum(mask) - 1`` (clamped at 0 on the
+    padding) explicitly: Hugging Face models count positions from the first column of the batch
+    whatever the mask says, which shifts learned absolute positions (GPT-2) of padded rows.
+    Padding is never attended to and never recorded.
+
+    Args:
+        sequences: ``(input_ids (1, L) or (L,), prompt_len)`` pairs, as :func:`encode` returns.
+        batch_size: sequences per forward pass (>= 1).
+        sublayer: also record the residual between attention and MLP of each block.
+        pad_token_id: id placed on the padding (any valid id: it is masked out).
+
+    Returns:
+        One :class:`Trace` per sequence, in input order, equal to ``collect(model, *sequence)``
+        up to float rounding of the batched matrix products.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    checked = [(_check_sequence(model, ids, int(prompt_len)), int(prompt_len))
+               for ids, prompt_len in sequences]
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    device = next(model.parameters()).device
+    order = sorted(range(len(checked)), key=lambda i: checked[i][0].shape[1])
+    traces: list[Optional[Trace]] = [None] * len(checked)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(checked[i][0].shape[1] for i in chunk)
+        input_ids = torch.full((len(chunk), width), int(pad_token_id), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids = checked[i][0][0]
+            input_ids[row, width - len(ids):] = ids
+            mask[row, width - len(ids):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
+        mids: list[Optional[torch.Tensor]] = [None] * n
+        hooks = _stream_hooks(adapter, lambda index, tensor: stream.__setitem__(index, tensor.detach()),
+                              (lambda layer, tensor: mids.__setitem__(layer, tensor.detach()))
+                              if sublayer else None)
+        try:
+            logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                           position_ids=position_ids.to(device), use_cache=False).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for row, i in enumerate(chunk):
+            ids, prompt_len = checked[i]
+            length = ids.shape[1]
+            positions = torch.arange(prompt_len - 1, length - 1)
+            picked = (positions + width - length).to(device)  # the same positions in the padded row
+            work = precision(stream[0].dtype)
+            hidden = torch.stack([s[row, picked] for s in stream]).to(work).cpu()  # (n+1, T, d)
+            if not torch.isfinite(hidden).all():
+                raise ValueError("the hidden states contain NaN or inf; check the model's dtype "
+                                 "and weights")
+            targets = ids[0, prompt_len:].cpu()
+            probs = torch.softmax(logits[row, picked].to(precision(logits.dtype)), -1)
+            model_probs = probs.gather(-1, targets[:, None].to(device))[:, 0].cpu()
+            mid = torch.stack([s[row, picked] for s in mids]).to(work).cpu() if sublayer else None
+            traces[i] = Trace(ids.cpu(), prompt_len, targets, positions, hidden, model_probs, mid)
+    return traces
 
 
 def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> list:
@@ -1400,8 +1550,257 @@ def _check_captum(steps, method):
         raise ValueError(f"steps must be an integer >= {low} for {method}, got {steps!r}")
 
 
+# 7. Ablation (total causal effect of a block, for the falsification test)
 # ---------------------------------------------------------------------------
-# 7. Plotting and figures
+
+ABLATION_MODES = ("zero", "mean")
+ABLATION_PARTS = (None, "attn", "mlp")
+_ATTENTIONS = ("self_attn", "attn", "attention")
+_MLPS = ("mlp", "feed_forward")
+
+
+def _ablated_module(block: nn.Module, part: Optional[str]) -> nn.Module:
+    if part is None:
+        return block
+    module = _first_attr(block, _ATTENTIONS if part == "attn" else _MLPS)
+    if module is None:
+        raise ValueError(f"cannot find the {part} module of block {type(block).__name__} "
+                         f"(looked for {_ATTENTIONS if part == 'attn' else _MLPS})")
+    return module
+
+
+def _with_first(output, first: torch.Tensor):
+    return (first,) + tuple(output[1:]) if isinstance(output, (tuple, list)) else first
+
+
+def _ablation_hook(rows: torch.Tensor, mode: str, whole_block: bool):
+    """Forward hook replacing the update of ``rows`` of the batch (one ablated layer per row)."""
+    def hook(module, args, kwargs, output):
+        out = _first_output(output)
+        start = _hidden_arg(args, kwargs) if whole_block else torch.zeros_like(out)
+        update = out[rows] - start[rows]  # (r, L, d) the block's (or sub-module's) update
+        replaced = torch.zeros_like(update) if mode == "zero" else update.mean(1, keepdim=True).expand_as(update)
+        out = out.clone()
+        out[rows] = start[rows] + replaced
+        return _with_first(output, out)
+    return hook
+
+
+def _block_calls(model, adapter: Adapter, input_ids: torch.Tensor) -> list[tuple[tuple, dict]]:
+    """One clean forward; the ``(args, kwargs)`` each block was called with (inputs detached)."""
+    calls: list = [None] * adapter.n_layers
+
+    def record(layer):
+        def hook(module, args, kwargs):
+            calls[layer] = (tuple(args), dict(kwargs))
+        return hook
+
+    hooks = [block.register_forward_pre_hook(record(layer), with_kwargs=True)
+             for layer, block in enumerate(adapter.blocks)]
+    try:
+        model(input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Blocks ``first+1 .. n`` (0-based ``first``) on ``hidden`` (B, L, d), with the clean call's
+    other arguments (masks, rotary position embeddings: the same for every copy)."""
+    for layer in range(first, adapter.n_layers):
+        args, kwargs = calls[layer]
+        if args:
+            out = adapter.blocks[layer](hidden, *args[1:], **kwargs)
+        else:
+            out = adapter.blocks[layer](**{**kwargs, "hidden_states": hidden})
+        hidden = _first_output(out)
+    return hidden
+
+
+@torch.no_grad()
+def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optional[Sequence[int]] = None,
+                     part: Optional[str] = None, batch_size: int = 8) -> torch.Tensor:
+    """Drop in each target's probability when one block's residual update is removed.
+
+    For block ``L`` the forward pass is rerun over the whole sequence with that block's update
+    replaced at *every* position (prompt and answer), and the effect on target ``t`` is
+    ``p_final[t] - p_ablated[t]`` (probability; positive = the block helped), with ``p_final``
+    the head-once readout of ``hidden[n]``, which is the model's own probability. This is a
+    total causal effect: it includes everything the block's output does through the later
+    blocks, which IG-Lens by design does not measure.
+
+    Modes. ``"zero"``: the block becomes an identity (its output is its input), i.e. the update
+    ``h_L - h_(L-1)`` is set to 0. ``"mean"``: the update at every position is replaced by its
+    mean over the sequence's positions (all of them, the first included), so the block still
+    adds its typical vector but nothing position-specific.
+
+    Parts. ``part="attn"`` or ``"mlp"`` removes only that sub-update: the output of the block's
+    attention (``self_attn`` / ``attn`` / ``attention``) or MLP module is set to 0 (``"zero"``)
+    or to its mean over positions (``"mean"``). For Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX that
+    output is exactly the residual update; for Gemma it passes through the block's post-norm
+    afterwards (zero stays zero; the mean is taken before that norm).
+
+    Cost. One clean forward records each block's call; then ``batch_size`` copies of the
+    sequence, copy ``i`` ablating its own layer, run together from the input of the lowest
+    ablated block of the batch (blocks below it are unaffected, so they are not rerun). Each
+    run gives all ``T`` targets at once.
+
+    Args:
+        model: the causal LM that produced ``trace``.
+        trace: from :func:`collect`.
+        mode: one of :data:`ABLATION_MODES`.
+        layers: blocks to ablate, in ``1..n``; default all.
+        part: one of :data:`ABLATION_PARTS`.
+        batch_size: sequence copies (ablated layers) per run, >= 1.
+
+    Returns:
+        (T, len(layers)) float32 (float64 for a float64 model) probability drops.
+    """
+    if mode not in ABLATION_MODES:
+        raise ValueError(f"mode must be one of {ABLATION_MODES}, got {mode!r}")
+    if part not in ABLATION_PARTS:
+        raise ValueError(f"part must be one of {ABLATION_PARTS}, got {part!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    if layers is None:
+        layers = list(range(1, n + 1))
+    layers = [int(layer) for layer in layers]
+    bad = [layer for layer in layers if not 1 <= layer <= n]
+    if bad or not layers:
+        raise ValueError(f"layers must be a non-empty list of blocks in 1..{n}, got {layers}")
+    readout = Readout(model)
+    device = next(model.parameters()).device
+    calls = _block_calls(model, adapter, trace.input_ids.to(device))
+    positions, targets = trace.positions.to(device), trace.targets.to(device)
+    order = sorted(range(len(layers)), key=lambda i: layers[i])  # neighbours share a start block
+    p_ablated = torch.empty(len(layers), len(targets), dtype=readout.dtype if readout.dtype == torch.float64
+                            else torch.float32)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        first = min(layers[i] for i in chunk) - 1  # 0-based block the run starts at
+        hooks = [_ablated_module(adapter.blocks[layers[i] - 1], part).register_forward_hook(
+            _ablation_hook(torch.tensor([row], device=device), mode, part is None), with_kwargs=True)
+            for row, i in enumerate(chunk)]
+        try:
+            hidden = _hidden_arg(*calls[first]).expand(len(chunk), -1, -1)  # (B, L, d)
+            hidden = _run_blocks(adapter, calls, first, hidden)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        p_ablated[chunk] = readout(hidden[:, positions], targets[None]).cpu().to(p_ablated.dtype)  # (B, T)
+    p_final = readout(trace.hidden[-1], trace.targets).to(p_ablated.dtype)  # (T,)
+    return p_final[:, None] - p_ablated.T
+
+
+# ---------------------------------------------------------------------------
+# 8. Onset metrics (does a per-layer score rank layers the way ablation does?)
+# ---------------------------------------------------------------------------
+
+def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
+    scores = np.asarray(torch.as_tensor(scores, dtype=torch.float64))
+    effects = np.asarray(torch.as_tensor(effects, dtype=torch.float64))
+    if scores.ndim != 2 or scores.shape != effects.shape:
+        raise ValueError(f"scores and effects must both have shape (T, n), got {scores.shape} "
+                         f"and {effects.shape}")
+    return scores, effects
+
+
+def spearman_rows(scores, effects) -> np.ndarray:
+    """(T,) Spearman rank correlation, per token, between a per-layer score and ablation effects.
+
+    Args:
+        scores, effects: (T, n), e.g. IG-Lens values and :func:`ablation_effects`.
+
+    Returns:
+        (T,) float64 in [-1, 1]; NaN for a token whose scores or effects are all equal.
+    """
+    from scipy.stats import spearmanr
+    scores, effects = _check_pair(scores, effects)
+    out = np.full(len(scores), np.nan)
+    for t, (a, b) in enumerate(zip(scores, effects)):
+        if np.ptp(a) > 0 and np.ptp(b) > 0:
+            out[t] = spearmanr(a, b).statistic
+    return out
+
+
+def top1_agreement(scores, effects) -> np.ndarray:
+    """(T,) 1.0 where the top-scored layer is also the layer whose ablation hurts most, else 0.0."""
+    scores, effects = _check_pair(scores, effects)
+    return (scores.argmax(-1) == effects.argmax(-1)).astype(float)
+
+
+def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -> np.ndarray:
+    """(T,) the falsification test: does ablating the named layer hurt more than is typical below it?
+
+    For each token the method names a layer (its top-scored layer, or ``named``); the test
+    passes (1.0) when that layer's ablation effect exceeds the median effect of the layers the
+    method scores lower, and fails (0.0) otherwise; NaN where no layer scores lower.
+
+    Args:
+        scores, effects: (T, n).
+        named: (T,) indices (0-based, into the n layers) of the named layer; default argmax.
+    """
+    scores, effects = _check_pair(scores, effects)
+    named = scores.argmax(-1) if named is None else np.asarray(named, dtype=int)
+    if named.shape != (len(scores),) or named.min(initial=0) < 0 or named.max(initial=0) >= scores.shape[1]:
+        raise ValueError(f"named must hold {len(scores)} layer indices in 0..{scores.shape[1] - 1}")
+    out = np.full(len(scores), np.nan)
+    for t, j in enumerate(named):
+        lower = scores[t] < scores[t, j]
+        if lower.any():
+            out[t] = float(effects[t, j] > np.median(effects[t, lower]))
+    return out
+
+
+def non_monotone(lens, drop: float = 0.05) -> np.ndarray:
+    """(T,) True where the logit-lens trajectory falls by more than ``drop`` below its running maximum.
+
+    Args:
+        lens: (T, n+1) target probability at the path nodes (``Attribution.lens``).
+        drop: probability; a trajectory that never falls more than this is called monotone.
+    """
+    lens = np.asarray(torch.as_tensor(lens, dtype=torch.float64))
+    if lens.ndim != 2:
+        raise ValueError(f"lens must have shape (T, n+1), got {lens.shape}")
+    if not 0.0 <= drop < 1.0:
+        raise ValueError(f"drop must be a probability in [0, 1), got {drop}")
+    return (np.maximum.accumulate(lens, -1) - lens).max(-1) > drop
+
+
+def bootstrap_ci(values, *, statistic: Callable = np.nanmean, n_boot: int = 2000,
+                 level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """Percentile bootstrap of a statistic over items (resampled with replacement, seeded).
+
+    Args:
+        values: (N,) one number per item (NaN entries are ignored by the default ``np.nanmean``).
+        statistic: maps an (N,) sample (or (n_boot, N) with ``axis=-1``) to a number.
+
+    Returns:
+        ``(estimate, low, high)``; all NaN for an empty input.
+    """
+    values = np.asarray(values, dtype=float)
+    if values.ndim != 1:
+        raise ValueError(f"values must be one-dimensional, got shape {values.shape}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if isinstance(n_boot, bool) or not isinstance(n_boot, (int, np.integer)) or n_boot < 1:
+        raise ValueError(f"n_boot must be an integer >= 1, got {n_boot!r}")
+    if np.isnan(values).all():
+        return (math.nan, math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    samples = values[rng.integers(0, len(values), size=(n_boot, len(values)))]
+    with warnings.catch_warnings():  # a resample of only NaNs gives NaN, quietly
+        warnings.simplefilter("ignore", RuntimeWarning)
+        boot = statistic(samples, axis=-1)
+    low, high = np.nanquantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return float(statistic(values)), float(low), float(high)
+
+
+# ---------------------------------------------------------------------------
+# 9. Plotting and figures
 # ---------------------------------------------------------------------------
 
 def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = None) -> Path:
@@ -1459,7 +1858,7 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
 
 
 # ---------------------------------------------------------------------------
-# 8. Command line
+# 10. Command line
 # ---------------------------------------------------------------------------
 
 def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: int = 30) -> str:

@@ -81,21 +81,3 @@ def test_unavailable_model_is_a_clear_error(monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"'no-such/model-xyz' is not available offline"):
         ig.load_model("no-such/model-xyz")
 
-
-def test_word_tokens_finds_the_span_and_rejects_a_missing_word():
-    import random
-    rng = random.Random(0)
-    for _ in range(50):  # random splits of a random sentence into tokens
-        words = ["".join(rng.choice("abcdef") for _ in range(rng.randint(1, 5))) for _ in range(6)]
-        text = " " + " ".join(words)
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, len(text) - 1)))
-        tokens = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        word = rng.choice(words)
-        found = ig.word_tokens(tokens, word)
-        start = text.rfind(word)
-        covered = "".join(tokens[i] for i in found)
-        assert word in covered and found == list(range(found[0], found[-1] + 1))
-        offset = sum(len(t) for t in tokens[:found[0]])
-        assert offset <= start < offset + len(tokens[found[0]])
-    with pytest.raises(ValueError, match="'Lima'"):
-        ig.word_tokens([" H", "ano", "i"], "Lima")

@@ -61,3 +61,14 @@ def test_gemma3_packaged_model():
     attribution = ig.ig_lens(model, trace)
     torch.testing.assert_close(attribution.p_final, own, atol=5e-5, rtol=0)
     assert attribution.residual < 1e-6 and len(attribution.layers) == 18
+def test_token_span_finds_the_object(packaged):
+    _, tokenizer = packaged
+    ids = tokenizer("The element with the symbol H is Hydrogen.", add_special_tokens=False)["input_ids"]
+    start, stop = ig.token_span(tokenizer, ids, "hydrogen")
+    assert tokenizer.decode(ids[start:stop]).strip().lower() == "hydrogen"
+    assert "hydrogen" not in tokenizer.decode(ids[:stop - 1]).lower()
+    assert ig.token_span(tokenizer, ids, "hydrogen", ignore_case=False) is None
+    assert ig.token_span(tokenizer, ids, "helium") is None
+    ids = tokenizer("The capital is Paris.", add_special_tokens=False)["input_ids"]
+    start, stop = ig.token_span(tokenizer, ids, "Paris")
+    assert tokenizer.decode(ids[start]) == " Paris" and stop == start + 1
