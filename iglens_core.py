@@ -698,7 +698,9 @@ class Readout:
         self.memory_budget = int(memory_budget)
         weight = self.adapter.head.weight
         self.vocab_size, self.hidden_size = weight.shape
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device, self.dtype = weight.device, weight.dtype  # the head's device
+        norm_weight = next(self.adapter.norm.parameters(), None)
+        self.norm_device = norm_weight.device if norm_weight is not None else self.device
 
     def chunk_rows(self, extra_copies: int = 3) -> int:
         """Rows per chunk: logits plus ``extra_copies`` temporaries of the same size fit the budget."""
@@ -709,7 +711,9 @@ class Readout:
         """(rows, d) residual-stream points -> (rows, V) logits exactly as the model computes.
 
         float32 (float64 for a float64 model)."""
-        logits = self.adapter.head(self.adapter.norm(hidden.to(self.device, self.dtype)))
+        # with device_map="auto" the final norm and the head may sit on different devices
+        normed = self.adapter.norm(hidden.to(self.norm_device, self.dtype))
+        logits = self.adapter.head(normed.to(self.device))
         logits = logits.to(precision(self.dtype))
         if self.adapter.logit_scale != 1.0:
             logits = logits * self.adapter.logit_scale

@@ -72,3 +72,17 @@ def test_token_span_finds_the_object(packaged):
     ids = tokenizer("The capital is Paris.", add_special_tokens=False)["input_ids"]
     start, stop = ig.token_span(tokenizer, ids, "Paris")
     assert tokenizer.decode(ids[start]) == " Paris" and stop == start + 1
+
+
+def test_load_model_device_map_matches_plain_load(packaged, tmp_path):
+    """device_map="auto" (accelerate) loads a local directory and gives the same attribution."""
+    from conftest import random_trace, tiny_model
+    _, tokenizer = packaged
+    model = tiny_model("llama32", seed=3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    mapped, _ = ig.load_model(str(tmp_path), device_map="auto")
+    expected = ig.ig_lens(model, random_trace(model, seed=1), estimator="riemann_mid", steps=4)
+    got = ig.ig_lens(mapped, random_trace(mapped, seed=1), estimator="riemann_mid", steps=4)
+    torch.testing.assert_close(got.values, expected.values, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got.lens, expected.lens, atol=1e-6, rtol=0)
