@@ -1,0 +1,785 @@
+"""IG-Lens performance benchmark (issue 5), run by ``make bench``.
+
+Prints one table (measure, ours, reference, ratio, target, met?) and writes the scaling plot
+``figures/bench_scaling.png``. Every ratio compares two things timed in the *same* run, in
+interleaved rounds, each the best (minimum) wall time over its repeats, because a shared machine
+is noisy: absolute times drift between runs, ratios much less.
+
+Items, in the order of the issue:
+
+1. the exact map (prediction-aware, every layer, no profile) against a straightforward
+   all-points version (every grid point, full log-softmax, 4096-row chunks), and against one
+   logit-lens pass over the same nodes;
+2. the profile (``profile=True``): achieved FLOP/s over a plain matmul of the same shapes;
+3. captum's ``IntegratedGradients`` per segment (autograd): speed-up and completeness residuals;
+4. the backward-free gradient estimators against an autograd implementation at equal ``m``;
+5. the greedy answer with a KV cache against re-running the whole sequence per new token;
+6. peak extra memory of a Llama-3.2-1B-sized readout against the configured memory budget;
+7. model load: cached reload against GGUF conversion;
+8. scaling of the profile with tokens, segments and ``m`` (the plot);
+
+and the levers measured for the readout (chunk rows, log-softmax vs logsumexp, inference mode).
+
+Usage::
+
+    python benchmarks/bench.py                 # CI size, a few minutes on one CPU core
+    python benchmarks/bench.py --full          # item 6 at 64 tokens, longer scaling sweeps
+    python benchmarks/bench.py --device cuda --dtype bfloat16 --tf32
+    python benchmarks/bench.py --only 1,2      # some items only
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import iglens_core as ig  # noqa: E402
+
+PROMPT = "What is the capital of Vietnam?"
+ANSWER = "The capital of Vietnam is Hanoi."
+STORY = "Write a long story about a dragon who learns to cook."  # a greedy answer >= 64 tokens
+NAIVE_CHUNK = 4096  # rows per chunk of the straightforward reference
+GiB, MiB = 2**30, 2**20
+
+
+# ---------------------------------------------------------------------------
+# timing, memory, table
+# ---------------------------------------------------------------------------
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def best_of(fns: dict[str, Callable], repeats: int, device: torch.device,
+            warmup: bool = True) -> dict[str, float]:
+    """Minimum wall time (s) of each function over ``repeats`` interleaved rounds.
+
+    Interleaving (a, b, a, b, ...) exposes every function to the same load on a shared machine.
+    """
+    if warmup:
+        for fn in fns.values():
+            fn()
+    best = {name: math.inf for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def timed(fn: Callable, device: torch.device):
+    """(result, wall seconds) of one call."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return result, time.perf_counter() - start
+
+
+def _proc_status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class PeakMemory:
+    """Peak *extra* memory of the enclosed block, in bytes (``.peak``).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` minus what was allocated at the start (tensors
+    only). CPU (Linux): the process's peak resident set size during the block minus its resident
+    size at the start: the peak is reset by writing 5 to ``/proc/self/clear_refs`` and read from
+    ``VmHWM``; freed heap memory is handed back first (``malloc_trim``) so that memory freed
+    earlier cannot hide new allocations. This counts every byte the block touched (tensors,
+    temporaries, library buffers), not only torch's tensors. The CPU measurements run in a child
+    process (:func:`in_child`) whose glibc hands every buffer of 1 MiB or more straight back to
+    the system when it is freed; otherwise the heap keeps freed chunks of up to 32 MiB resident
+    and the peak says more about the allocator than about the code.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:
+                pass
+            Path("/proc/self/clear_refs").write_text("5")
+            self.start = _proc_status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.peak = _proc_status_bytes("VmHWM") - self.start
+        return False
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def in_child(ctx, item: int, measure: Callable[[], object]):
+    """Run ``measure()`` (JSON-able result) for a memory item.
+
+    On a CPU it runs in a fresh child process (``--memory-child``) whose glibc returns freed
+    buffers >= 1 MiB to the system at once, so that peak RSS follows live memory; on CUDA, and
+    in the child itself, it runs here.
+    """
+    args = ctx.args
+    if ctx.device.type != "cpu" or args.memory_child:
+        result = measure()
+        if args.memory_child:
+            print("RESULT " + json.dumps(result), flush=True)
+        return result
+    command = [sys.executable, str(Path(__file__).resolve()), "--only", str(item), "--memory-child",
+               "--device", args.device, "--dtype", args.dtype, "--model", args.model,
+               "--grad-steps", str(args.grad_steps), "--memory-tokens", str(args.memory_tokens)]
+    command += ["--full"] if args.full else []
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+@dataclass
+class Row:
+    measure: str
+    ours: str
+    reference: str
+    ratio: str
+    target: str
+    met: Optional[bool]  # None: no target, reported only
+
+
+ROWS: list[Row] = []
+
+
+def add(measure, ours, reference, ratio, target="", met=None):
+    ROWS.append(Row(measure, ours, reference, ratio, target, met))
+    print(f"  [{measure}] ours {ours} | ref {reference} | {ratio} | {target} "
+          f"{'' if met is None else ('met' if met else 'NOT met')}", file=sys.stderr, flush=True)
+
+
+def print_table(header: str) -> None:
+    cols = ("measure", "ours", "reference", "ratio", "target", "met?")
+    cells = [(r.measure, r.ours, r.reference, r.ratio, r.target,
+              "-" if r.met is None else ("yes" if r.met else "**no**")) for r in ROWS]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+    print(header)
+    print()
+    print(line(cols))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print(line(row))
+
+
+# ---------------------------------------------------------------------------
+# references written here, independently of the core
+# ---------------------------------------------------------------------------
+
+def head_logits(adapter: ig.Adapter, rows: torch.Tensor) -> torch.Tensor:
+    """(rows, d) -> (rows, V) float32 logits: final norm, head, logit scale, soft-cap."""
+    logits = adapter.head(adapter.norm(rows)).float()
+    if adapter.logit_scale != 1.0:
+        logits = logits * adapter.logit_scale
+    if adapter.softcap:
+        logits = torch.tanh(logits / adapter.softcap) * adapter.softcap
+    return logits
+
+
+def naive_all_points(adapter: ig.Adapter, nodes: torch.Tensor, targets: torch.Tensor, m: int,
+                     chunk: int = NAIVE_CHUNK) -> torch.Tensor:
+    """The straightforward prediction-aware map: evaluate f at every grid point and difference.
+
+    Every segment's own grid ``alpha = 0, 1/m, ..., 1`` (``K*(m+1)`` points per token, the shared
+    endpoints evaluated twice), stacked, read out in ``chunk``-row chunks with a full
+    log-softmax over the vocabulary; segment value = sum of the step differences.
+
+    Args:
+        nodes: (K+1, T, d) the path nodes, baseline first.
+        targets: (T,) token ids.
+
+    Returns:
+        (T, K) probability per segment.
+    """
+    K, T, d = nodes.shape[0] - 1, nodes.shape[1], nodes.shape[2]
+    alphas = torch.linspace(0, 1, m + 1, dtype=nodes.dtype, device=nodes.device)
+    starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
+    points = starts[:, :, None] + alphas[None, None, :, None] * deltas[:, :, None]  # (K, T, m+1, d)
+    rows = points.reshape(-1, d)
+    ids = targets[None, :, None].expand(K, T, m + 1).reshape(-1)
+    probs = torch.empty(rows.shape[0], device=rows.device)
+    for start in range(0, rows.shape[0], chunk):
+        logp = torch.log_softmax(head_logits(adapter, rows[start:start + chunk]), -1)
+        probs[start:start + chunk] = logp.gather(-1, ids[start:start + chunk, None])[:, 0].exp()
+    grid = probs.reshape(K, T, m + 1)
+    return (grid[..., 1:] - grid[..., :-1]).sum(-1).T
+
+
+def target_prob(adapter: ig.Adapter, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Differentiable f: (rows, d), (rows,) -> (rows,) target probability."""
+    return torch.log_softmax(head_logits(adapter, rows), -1).gather(-1, ids[:, None])[:, 0].exp()
+
+
+def autograd_estimator(adapter: ig.Adapter, nodes: torch.Tensor, targets: torch.Tensor,
+                       estimator: str, m: int, chunk: int) -> torch.Tensor:
+    """A gradient estimator the usual way: f forward, ``autograd.grad`` backward, dot with the step.
+
+    Returns:
+        (T, K) ``sum_s w_s <h_Lj - h_L(j-1), grad f(point_s)>``.
+    """
+    alphas, weights = ig.quadrature(estimator, m)
+    alphas, weights = alphas.to(nodes), weights.to(nodes)
+    starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
+    points = starts[:, :, None] + alphas[None, None, :, None] * deltas[:, :, None]  # (K, T, m', d)
+    K, T, mm, d = points.shape
+    rows = points.reshape(-1, d)
+    dirs = deltas[:, :, None].expand_as(points).reshape(-1, d)
+    ids = targets[None, :, None].expand(K, T, mm).reshape(-1)
+    slopes = torch.empty(rows.shape[0], device=rows.device)
+    with torch.enable_grad():
+        for start in range(0, rows.shape[0], chunk):
+            x = rows[start:start + chunk].detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(target_prob(adapter, x, ids[start:start + chunk]).sum(), x)
+            slopes[start:start + chunk] = (grad * dirs[start:start + chunk]).sum(-1)
+    return (slopes.reshape(K, T, mm) * weights).sum(-1).T
+
+
+def node_product_profile(adapter: ig.Adapter, nodes: torch.Tensor, targets: torch.Tensor,
+                         m: int) -> torch.Tensor:
+    """Prototype lever (not in the core): the profile from the ``K+1`` node products only.
+
+    An RMSNorm is linear up to a per-point scale: ``norm(h) = w * h * s(h)`` with
+    ``s(h) = rsqrt(mean(h^2) + eps)``, so ``head(norm(h)) = s(h) * Z(h)`` with ``Z(h) = W (w * h)``
+    linear in ``h``. On the segment ``a -> b`` the logits at ``a + alpha (b - a)`` are therefore
+    ``s * ((1 - alpha) Z(a) + alpha Z(b))``: one matmul row per path node, and only elementwise
+    work (plus the log-softmax) per grid point. (LayerNorm and Gemma's norm have the same form.)
+
+    Args:
+        nodes: (K+1, T, d); targets: (T,).
+
+    Returns:
+        (T, K, m+1) f on the uniform grid of every segment, as ``Attribution.profile``.
+    """
+    norm = adapter.norm
+    if not hasattr(norm, "variance_epsilon") or adapter.softcap or adapter.logit_scale != 1.0:
+        raise ValueError("the prototype handles a plain RMSNorm + linear head only")
+    K, T = nodes.shape[0] - 1, nodes.shape[1]
+    products = adapter.head(nodes * norm.weight).float()  # (K+1, T, V): Z at every node
+    alphas = torch.arange(m + 1, dtype=nodes.dtype, device=nodes.device) / m  # (m+1,)
+    mix = torch.stack([1 - alphas, alphas], -1).float()  # (m+1, 2)
+    block = max(1, 128 // (m + 1))  # tokens per block: (block*(m+1), V) logits stay in cache
+    out = torch.empty(T, K, m + 1, device=nodes.device)
+    for j in range(K):
+        a, b = nodes[j], nodes[j + 1]  # (T, d)
+        points = a[:, None] + alphas[None, :, None] * (b - a)[:, None]  # (T, m+1, d)
+        scale = torch.rsqrt(points.float().pow(2).mean(-1) + norm.variance_epsilon)  # (T, m+1)
+        pair = torch.stack([products[j], products[j + 1]], 1)  # (T, 2, V)
+        for t in range(0, T, block):
+            coef = scale[t:t + block, :, None] * mix  # (B, m+1, 2)
+            logp = torch.log_softmax(torch.bmm(coef, pair[t:t + block]), -1)  # (B, m+1, V)
+            ids = targets[t:t + block, None, None].expand(-1, m + 1, 1)
+            out[t:t + block, j] = logp.gather(-1, ids)[..., 0].exp()
+    return out
+
+
+class BareReadoutModel(nn.Module):
+    """Only the last step of a Llama-style model (RMSNorm + untied head), random weights, no blocks.
+
+    Enough for ``ig.Readout`` and ``ig.ig_lens`` on a synthetic trace of any size.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, seed: int = 0):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList()
+        self.norm = LlamaRMSNorm(hidden_size, eps=1e-5)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.config = SimpleNamespace()
+        with torch.no_grad():
+            self.norm.weight.copy_(1.0 + 0.5 * torch.randn(hidden_size))
+            self.lm_head.weight.normal_(0.0, 2.0 / math.sqrt(hidden_size))
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def synthetic_trace(readout: ig.Readout, n_layers: int, tokens: int, seed: int = 0) -> ig.Trace:
+    """A random-walk residual stream (n+1, T, d) whose last node predicts its target well."""
+    gen = torch.Generator().manual_seed(seed)
+    d = readout.hidden_size
+    steps = torch.randn(n_layers + 1, tokens, d, generator=gen)
+    hidden = steps.cumsum(0) / math.sqrt(n_layers + 1)
+    with torch.no_grad():
+        logits = readout.logits(hidden[-1])
+    targets = logits.argmax(-1).cpu()
+    return ig.Trace(torch.zeros(1, tokens + 1, dtype=torch.long), 1, targets, torch.arange(tokens),
+                    hidden.to(readout.dtype), readout(hidden[-1], targets).cpu())
+
+
+# ---------------------------------------------------------------------------
+# the items
+# ---------------------------------------------------------------------------
+
+def item1_exact_map(ctx) -> None:
+    model, trace, readout, args = ctx.model, ctx.trace, ctx.readout, ctx.args
+    m, n = 16, trace.n_layers
+    nodes = trace.hidden.to(ctx.device)  # (n+1, T, d): embedding baseline and every block
+    targets = trace.targets.to(ctx.device)
+    ours = ig.ig_lens(model, trace, steps=m, readout=readout)
+    naive, first = timed(lambda: naive_all_points(readout.adapter, nodes, targets, m), ctx.device)
+    gap = float((ours.values - naive.cpu()).abs().max())
+    fast = best_of({"ours": lambda: ig.ig_lens(model, trace, steps=m, readout=readout),
+                    "lens": lambda: ig.logit_lens(model, trace, readout)},
+                   args.repeats + 2, ctx.device)
+    slow = best_of({"naive": lambda: naive_all_points(readout.adapter, nodes, targets, m)},
+                   max(1, args.repeats - 2), ctx.device, warmup=False)
+    slow["naive"] = min(slow["naive"], first)
+    T = len(targets)
+    add(f"1. exact map vs all-points reference (T={T}, K={n}, m={m}; {T * n * (m + 1)} points)",
+        fmt_time(fast["ours"]), fmt_time(slow["naive"]), f"{slow['naive'] / fast['ours']:.1f}x faster",
+        ">= 10x", slow["naive"] / fast["ours"] >= 10)
+    add("1. exact map values, max abs difference from the reference", f"{gap:.1e}", "", "",
+        "<= 1e-5", gap <= 1e-5)
+    add(f"1. exact map vs one logit-lens pass ({T}x{n + 1} nodes)", fmt_time(fast["ours"]),
+        fmt_time(fast["lens"]), f"{fast['ours'] / fast['lens']:.2f}x the time", "<= 1.2x",
+        fast["ours"] / fast["lens"] <= 1.2)
+    ctx.exact_time = fast["ours"]
+    ctx.exact = ours
+
+
+def matmul_reference(readout: ig.Readout, rows: int, device) -> Callable:
+    """A plain (rows, d) @ (d, V) product into a preallocated output: the GEMM limit."""
+    weight = readout.adapter.head.weight
+    x = torch.randn(rows, readout.hidden_size, device=device, dtype=weight.dtype)
+    out = torch.empty(rows, readout.vocab_size, device=device, dtype=weight.dtype)
+    return lambda: torch.mm(x, weight.t(), out=out)
+
+
+def item2_profile(ctx) -> None:
+    model, trace, readout, args = ctx.model, ctx.trace, ctx.readout, ctx.args
+    m, K, T = 16, trace.n_layers, len(trace.targets)
+    points = T * (K * m + 1)
+    flops = 2 * points * readout.hidden_size * readout.vocab_size
+    nodes, targets = trace.hidden.to(ctx.device), trace.targets.to(ctx.device)
+    budget_rows = max(1, readout.memory_budget // (readout.vocab_size * 4 * 4))
+    budget_only = ig.Readout(model, memory_budget=readout.memory_budget)
+    budget_only.chunk_rows = lambda extra_copies=3: budget_rows  # the rule before issue 5
+    fns = {"profile": lambda: ig.ig_lens(model, trace, steps=m, profile=True, readout=readout),
+           "matmul": matmul_reference(readout, points, ctx.device),
+           "budget_only": lambda: ig.ig_lens(model, trace, steps=m, profile=True, readout=budget_only)}
+    try:
+        prototype = node_product_profile(readout.adapter, nodes, targets, m).cpu()
+        fns["prototype"] = lambda: node_product_profile(readout.adapter, nodes, targets, m)
+    except ValueError:
+        prototype = None
+    best = best_of(fns, max(1, args.repeats - 1), ctx.device)
+    ctx.matmul_rate = flops / best["matmul"]
+    frac = best["matmul"] / best["profile"]
+    add(f"2. profile m={m}: achieved FLOP/s vs a plain matmul ({points} x {readout.hidden_size} "
+        f"@ {readout.hidden_size} x {readout.vocab_size})",
+        f"{flops / best['profile'] / 1e9:.1f} GFLOP/s ({fmt_time(best['profile'])})",
+        f"{ctx.matmul_rate / 1e9:.1f} GFLOP/s ({fmt_time(best['matmul'])})",
+        f"{frac:.2f} of the matmul rate", ">= 0.85", frac >= 0.85)
+    add(f"lever: readout chunk rows, Readout's rule ({readout.chunk_rows()} rows) vs the budget alone "
+        f"({budget_rows} rows), same profile", fmt_time(best["profile"]), fmt_time(best["budget_only"]),
+        f"{best['budget_only'] / best['profile']:.2f}x faster", "keep if > 1", None)
+    if prototype is not None:
+        core = ig.ig_lens(model, trace, steps=m, profile=True, readout=readout).profile
+        gap = float((prototype - core).abs().max())
+        add(f"lever (prototype in bench.py, not in the core): profile m={m} from the {K + 1} node "
+            f"products (RMSNorm is linear up to a per-point scale; max |Δf| {gap:.0e} from the core's)",
+            fmt_time(best["prototype"]), fmt_time(best["profile"]),
+            f"{best['profile'] / best['prototype']:.1f}x faster", "report", None)
+
+
+def item3_captum(ctx) -> None:
+    from captum.attr import IntegratedGradients
+    model, trace, readout, args = ctx.model, ctx.trace, ctx.readout, ctx.args
+    adapter = readout.adapter
+    nodes = trace.hidden.to(ctx.device)
+    targets = trace.targets.to(ctx.device)
+    n_steps = 50
+    ig_captum = IntegratedGradients(lambda h, ids: target_prob(adapter, h, ids))
+
+    def run_captum():
+        values, deltas = [], []
+        with torch.enable_grad():
+            for j in range(nodes.shape[0] - 1):  # one call per segment h_L(j-1) -> h_Lj
+                attr, delta = ig_captum.attribute(nodes[j + 1], baselines=nodes[j],
+                                                  additional_forward_args=(targets,),
+                                                  n_steps=n_steps, return_convergence_delta=True)
+                values.append(attr.sum(-1).detach())
+                deltas.append(delta.detach().abs().max())
+        return torch.stack(values, 1).cpu(), float(torch.stack(deltas).max())
+
+    start = time.perf_counter()
+    values, segment_residual = run_captum()
+    captum_time = time.perf_counter() - start
+    exact_time = getattr(ctx, "exact_time", None)
+    if exact_time is None:
+        exact_time = best_of({"ours": lambda: ig.ig_lens(model, trace, readout=readout)},
+                             args.repeats, ctx.device)["ours"]
+    ours = ig.ig_lens(model, trace, readout=readout)
+    delta_p = ours.delta_p.double()
+    captum_residual = float((values.double().sum(-1) - delta_p).abs().max())
+    T, K = values.shape
+    add(f"3. exact map vs captum IntegratedGradients per segment (n_steps={n_steps}, "
+        f"gausslegendre; {K} calls, {T} tokens)", fmt_time(exact_time), fmt_time(captum_time),
+        f"{captum_time / exact_time:.0f}x faster", ">= 100x", captum_time / exact_time >= 100)
+    add("3. completeness residual max|sum_j - Δp| (captum: and per segment)",
+        f"{ours.residual:.1e}", f"{captum_residual:.1e} (per segment {segment_residual:.1e})",
+        "", "report", None)
+
+
+def item4_gradient(ctx) -> None:
+    model, trace, readout, args = ctx.model, ctx.trace, ctx.readout, ctx.args
+    m = args.grad_steps
+    nodes = trace.hidden.to(ctx.device)
+    targets = trace.targets.to(ctx.device)
+    chunk = max(1, readout.chunk_rows() // 2)  # the rows per chunk Readout.directional uses
+    estimators = ("riemann_mid", "gauss_legendre")
+    fns = {(estimator, name): fn for estimator in estimators for name, fn in (
+        ("ours", lambda e=estimator: ig.ig_lens(model, trace, steps=m, estimator=e, readout=readout)),
+        ("autograd", lambda e=estimator: autograd_estimator(readout.adapter, nodes, targets, e, m, chunk)))}
+
+    def measure():
+        peaks = {}
+        for (estimator, name), fn in fns.items():
+            fn()  # warm-up
+            with PeakMemory(ctx.device) as peak:
+                fn()
+            peaks[f"{estimator}/{name}"] = peak.peak
+        return peaks
+
+    all_peaks = in_child(ctx, 4, measure)
+    if args.memory_child:
+        return
+    timings = best_of(fns, max(1, args.repeats - 1), ctx.device)
+    for estimator in estimators:
+        best = {name: timings[(estimator, name)] for name in ("ours", "autograd")}
+        peaks = {name: all_peaks[f"{estimator}/{name}"] for name in ("ours", "autograd")}
+        results = {name: fns[(estimator, name)]() for name in ("ours", "autograd")}
+        gap = float((results["ours"].values - results["autograd"].cpu()).abs().max())
+        T, K = results["ours"].values.shape
+        ratio = best["ours"] / best["autograd"]
+        add(f"4. {estimator} m={m} forward-mode vs autograd, time (T={T}, K={K}; "
+            f"{chunk}-row chunks both; values agree to {gap:.0e})",
+            fmt_time(best["ours"]), fmt_time(best["autograd"]), f"{ratio:.2f}x the time",
+            "<= 0.75x", ratio <= 0.75)
+        mem = peaks["ours"] / max(peaks["autograd"], 1)
+        add(f"4. {estimator} m={m} forward-mode vs autograd, peak extra memory",
+            fmt_bytes(peaks["ours"]), fmt_bytes(peaks["autograd"]), f"{mem:.2f}x", "< 1x", mem < 1)
+
+
+def item5_generate(ctx) -> None:
+    model, tokenizer, args = ctx.model, ctx.tokenizer, ctx.args
+    n_new = 64
+    ids, prompt_len = ig.encode(tokenizer, STORY, None, model=model, max_new_tokens=n_new)
+    answer = ids[0, prompt_len:].tolist()
+    prompt_ids = ids[0, :prompt_len].tolist()
+    stops = set(ig.stop_token_ids(tokenizer))
+
+    def recompute():
+        seq = torch.tensor([prompt_ids], device=ctx.device)
+        for _ in range(n_new):  # the whole sequence again for every new token
+            next_id = model(seq, use_cache=False).logits[0, -1].argmax()
+            if int(next_id) in stops:
+                break
+            seq = torch.cat([seq, next_id.view(1, 1)], 1)
+        return seq[0, prompt_len:].tolist()
+
+    tokens, first = timed(recompute, ctx.device)
+    same = tokens == answer
+    best = best_of({"cache": lambda: ig.encode(tokenizer, STORY, None, model=model, max_new_tokens=n_new),
+                    "recompute": recompute}, max(1, args.repeats - 2), ctx.device, warmup=False)
+    best["recompute"] = min(best["recompute"], first)
+    if args.repeats > 2:
+        best["cache"] = min(best["cache"], best_of({"cache": lambda: ig.encode(
+            tokenizer, STORY, None, model=model, max_new_tokens=n_new)}, 1, ctx.device, warmup=False)["cache"])
+    ratio = best["recompute"] / best["cache"]
+    add(f"5. greedy answer, KV cache (ig.encode) vs re-running the sequence per token "
+        f"({len(answer)} new tokens after {prompt_len}; same tokens: {same})",
+        fmt_time(best["cache"]), fmt_time(best["recompute"]), f"{ratio:.1f}x faster", ">= 5x",
+        ratio >= 5)
+
+
+def item6_memory(ctx) -> None:
+    args = ctx.args
+    d, V, K, m = 2048, 128256, 16, 16
+    if args.full:
+        runs = [(64, ig.DEFAULT_MEMORY_BUDGET), (64, 256 * MiB), (64, 64 * MiB)]
+    else:
+        T = args.memory_tokens
+        runs = [(T, ig.DEFAULT_MEMORY_BUDGET), (T, 256 * MiB), (T, 64 * MiB), (2 * T, 256 * MiB)]
+
+    def measure():
+        bare = BareReadoutModel(d, V).to(ctx.device, ctx.dtype).eval()
+        traces, results = {}, []
+        for T, budget in runs:
+            if T not in traces:
+                traces[T] = synthetic_trace(ig.Readout(bare, norm=bare.norm, head=bare.lm_head), K, T)
+            readout = ig.Readout(bare, norm=bare.norm, head=bare.lm_head, memory_budget=budget)
+            ig.ig_lens(bare, synthetic_trace(readout, K, 1), steps=1, profile=True, readout=readout)  # warm-up
+            with PeakMemory(ctx.device) as peak:
+                result, seconds = timed(lambda: ig.ig_lens(bare, traces[T], steps=m, profile=True,
+                                                           readout=readout), ctx.device)
+            results.append(dict(T=T, budget=budget, rows=readout.chunk_rows(), seconds=seconds,
+                                residual=result.residual, peak=peak.peak))
+        return results
+
+    results = in_child(ctx, 6, measure)
+    if args.memory_child:
+        return
+    for run in results:
+        T, budget, peak = run["T"], run["budget"], run["peak"]
+        points = T * (K * m + 1)
+        grid_bytes = points * d * torch.finfo(ctx.dtype).bits // 8
+        add(f"6. peak extra memory, 1B-sized readout d={d} V={V}, T={T} K={K} m={m} profile "
+            f"({points} points, grid {fmt_bytes(grid_bytes)}; {run['rows']}-row chunks; "
+            f"{fmt_time(run['seconds'])}; residual {run['residual']:.0e})",
+            fmt_bytes(peak), f"budget {fmt_bytes(budget)}", f"{peak / budget:.2f} of the budget",
+            "<= 1", peak <= budget)
+
+
+def item7_load(ctx) -> None:
+    args = ctx.args
+    name = ig.DEFAULT_MODEL
+    gguf = ig.PACKAGED_MODELS[name]()
+    best = best_of({"reload": lambda: ig.load_model(name, device=str(ctx.device), dtype=ctx.dtype)},
+                   max(1, args.repeats - 1), ctx.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        ig.convert_gguf(gguf, Path(tmp) / name)
+        convert = time.perf_counter() - start
+    add(f"7. model load: cached reload vs GGUF conversion ({name}, {gguf.stat().st_size / MiB:.0f} MiB GGUF)",
+        fmt_time(best["reload"]), fmt_time(convert), f"{convert / best['reload']:.0f}x faster", "report", None)
+
+
+def item8_scaling(ctx) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    model, trace, readout, args = ctx.model, ctx.trace, ctx.readout, ctx.args
+    n, T_all = trace.n_layers, len(trace.targets)
+
+    def sub(tokens: int) -> ig.Trace:
+        index = torch.arange(tokens) % T_all
+        return ig.Trace(trace.input_ids, trace.prompt_len, trace.targets[index], trace.positions[index],
+                        trace.hidden[:, index], trace.model_probs[index])
+
+    def layers(K: int) -> list[int]:
+        return sorted({max(1, round(n * (j + 1) / K)) for j in range(K)})
+
+    scale = 2 if args.full else 1
+    sweeps = {  # name -> list of (tokens, segments, m)
+        "tokens": [(t, n, 4) for t in (1, 2, 4, 8 * scale)],
+        "segments": [(8, K, 4) for K in (4, 8, 16, n)],
+        "m": [(8, n, s) for s in (1, 2, 4, 8 * scale)],
+    }
+    results = {}
+    for sweep, configs in sweeps.items():
+        fns = {}
+        for T, K, m in configs:
+            sub_trace, sub_layers = sub(T), layers(K)
+            fns[(T, len(sub_layers), m)] = (lambda tr=sub_trace, ly=sub_layers, s=m:
+                                            ig.ig_lens(model, tr, layers=ly, steps=s, profile=True,
+                                                       readout=readout))
+        results[sweep] = best_of(fns, max(1, args.repeats - 1), ctx.device, warmup=False)
+    pts, secs = [], []
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for (sweep, timing), marker in zip(results.items(), "osD"):
+        x = [T * (K * m + 1) for (T, K, m) in timing]
+        y = list(timing.values())
+        pts += x
+        secs += y
+        ax.plot(x, y, marker=marker, linestyle="-", label=f"vary {sweep}")
+    slope, intercept = np.polyfit(np.log(pts), np.log(secs), 1)
+    grid = np.array([min(pts), max(pts)], dtype=float)
+    ax.plot(grid, np.exp(intercept) * grid ** slope, "k:", label=f"fit: time ∝ points^{slope:.2f}")
+    if getattr(ctx, "matmul_rate", None):
+        per_point = 2 * readout.hidden_size * readout.vocab_size / ctx.matmul_rate
+        ax.plot(grid, grid * per_point, "--", color="grey", label="matmul limit (item 2)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("points read out, T (K m + 1)")
+    ax.set_ylabel("wall time of ig_lens(profile=True) (s)")
+    ax.set_title(f"Profile cost vs points ({ctx.model_label}, {ctx.device.type}, "
+                 f"{torch.get_num_threads()} thread(s))")
+    ax.legend()
+    path = ig.save_figure(fig, "bench_scaling")
+    plt.close(fig)
+    add(f"8. profile scaling: time ∝ points^b over tokens, segments, m "
+        f"({min(pts)}..{max(pts)} points; plot {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path})",
+        f"b = {slope:.2f}", "b = 1 (linear)", "", "0.9 <= b <= 1.1", 0.9 <= slope <= 1.1)
+
+
+def levers(ctx) -> None:
+    """The readout levers of issue 5, each timed against its alternative on the same points.
+
+    (The chunk-rows lever is timed on the full profile in item 2.)
+    """
+    readout, args = ctx.readout, ctx.args
+    rows = 512
+    gen = torch.Generator().manual_seed(0)
+    points = ctx.trace.hidden[-1][torch.randint(len(ctx.trace.targets), (rows,), generator=gen)]
+    points = (points + 0.5 * torch.randn(points.shape, generator=gen)).to(ctx.device, ctx.dtype)
+    directions = torch.randn(points.shape, generator=gen).to(points)
+    ids = torch.randint(readout.vocab_size, (rows,), generator=gen).to(ctx.device)
+    chosen = readout.chunk_rows()
+    adapter = readout.adapter
+
+    def reduce_with(kind: str):
+        def run():
+            out = torch.empty(rows, device=ctx.device)
+            for start in range(0, rows, chosen):
+                logits = head_logits(adapter, points[start:start + chosen])
+                sl = slice(start, start + chosen)
+                if kind == "logsumexp":
+                    out[sl] = torch.exp(logits.gather(-1, ids[sl, None])[:, 0] - torch.logsumexp(logits, -1))
+                else:
+                    out[sl] = torch.log_softmax(logits, -1).gather(-1, ids[sl, None])[:, 0].exp()
+            return out
+        return run
+
+    def tangents(kind: str):
+        step = max(1, chosen // 2)  # as Readout.directional
+
+        def run():
+            for start in range(0, rows, step):
+                sl = slice(start, start + step)
+                if kind == "func.jvp":
+                    torch.func.jvp(readout.logits, (points[sl],), (directions[sl],))
+                else:
+                    readout._logits_and_tangent(points[sl], directions[sl])
+        return run
+
+    def inference_mode():
+        with torch.inference_mode():
+            return readout(points, ids)
+
+    best = best_of({"no_grad": lambda: readout(points, ids), "inference": inference_mode,
+                    "lsm": reduce_with("log_softmax"), "lse": reduce_with("logsumexp"),
+                    "one_product": tangents("one product"), "func_jvp": tangents("func.jvp")},
+                   args.repeats, ctx.device)
+    add(f"lever: log_softmax+gather vs gather-logsumexp ({chosen}-row chunks, {rows} points)",
+        fmt_time(best["lsm"]), fmt_time(best["lse"]), f"{best['lse'] / best['lsm']:.2f}x faster",
+        "keep if > 1", None)
+    add(f"lever: logits+tangent, norm jvp + one product vs torch.func.jvp of the readout ({rows} points)",
+        fmt_time(best["one_product"]), fmt_time(best["func_jvp"]),
+        f"{best['func_jvp'] / best['one_product']:.2f}x faster", "keep if > 1", None)
+    add(f"lever: torch.inference_mode vs no_grad (Readout, {rows} points)", fmt_time(best["inference"]),
+        fmt_time(best["no_grad"]), f"{best['no_grad'] / best['inference']:.2f}x faster", "keep if > 1.02",
+        None)
+
+
+ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
+         5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"),
+                        help="parameter dtype of the model and readouts (logits stay float32)")
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on a GPU")
+    parser.add_argument("--model", default=ig.DEFAULT_MODEL)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per timing (min kept)")
+    parser.add_argument("--grad-steps", type=int, default=4, help="m of item 4")
+    parser.add_argument("--memory-tokens", type=int, default=2,
+                        help="tokens of item 6 (and 4x that at 256 MiB; --full: 64)")
+    parser.add_argument("--full", action="store_true", help="item 6 at 64 tokens, longer sweeps")
+    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers)")
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    started = time.perf_counter()
+    only = {int(x) for x in args.only.split(",") if x.strip()} or set(ITEMS)
+    if not only <= set(ITEMS):
+        parser.error(f"--only takes item numbers in 1..{len(ITEMS)}, got {args.only!r}")
+    if args.memory_child:  # glibc: buffers >= 1 MiB are mmapped and returned when freed
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MiB)  # M_MMAP_THRESHOLD (also stops its dynamic growth)
+        libc.mallopt(-1, MiB)  # M_TRIM_THRESHOLD
+    ctx = SimpleNamespace(args=args, device=device, dtype=dtype, model_label=args.model)
+    if only != {6}:  # every other item uses the embedded model and the Vietnam trace
+        ctx.model, ctx.tokenizer = ig.load_model(args.model, device=str(device), dtype=dtype)
+        input_ids, prompt_len = ig.encode(ctx.tokenizer, PROMPT, ANSWER)
+        ctx.trace = ig.collect(ctx.model, input_ids, prompt_len)
+        ctx.readout = ig.Readout(ctx.model)
+    for number, item in ITEMS.items():
+        if number in only:
+            print(f"[bench] item {number}{' (memory child)' if args.memory_child else ''} ...",
+                  file=sys.stderr, flush=True)
+            item(ctx)
+    if args.memory_child:
+        return 0
+    machine = (f"{cpu_name()}, {os.cpu_count()} cores, "
+               f"{torch.get_num_threads()} torch thread(s)" if device.type == "cpu"
+               else torch.cuda.get_device_name(device))
+    print_table(f"IG-Lens benchmark: {args.model}, {device.type} ({machine}), {args.dtype}, "
+                f"torch {torch.__version__}, best of {args.repeats} interleaved rounds; "
+                f"total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
