@@ -449,52 +449,6 @@ class Trace:
         return [tokenizer.decode([t]) for t in self.targets.tolist()]
 
 
-@dataclass
-class Trace:
-    """Residual stream of one sequence at its predicting positions.
-
-    Attributes:
-        input_ids: (1, L) the whole sequence.
-        prompt_len: answer tokens are ``input_ids[0, prompt_len:]``.
-        targets: (T,) token predicted at each position, ``T = L - prompt_len``.
-        positions: (T,) index of the predicting position, ``prompt_len - 1 + arange(T)``.
-        hidden: (n+1, T, d) ``hidden[0]`` the embedding output (input of block 1),
-            ``hidden[L]`` the output of block L, ``hidden[n]`` the input of the final norm.
-        model_probs: (T,) the model's own softmax probability of each target.
-        mid: (n, T, d) or None. With ``sublayer=True``: the residual between attention and MLP
-            of each block.
-    """
-    input_ids: torch.Tensor
-    prompt_len: int
-    targets: torch.Tensor
-    positions: torch.Tensor
-    hidden: torch.Tensor
-    model_probs: torch.Tensor
-    mid: Optional[torch.Tensor] = None
-
-    @property
-    def n_layers(self) -> int:
-        return self.hidden.shape[0] - 1
-
-    def tokens(self, tokenizer) -> list[str]:
-        """The target tokens as text."""
-        return [tokenizer.decode([t]) for t in self.targets.tolist()]
-
-
-def word_tokens(tokens: Sequence[str], word: str) -> list[int]:
-    """Indices of the tokens that overlap the last occurrence of ``word`` in the joined tokens.
-
-    E.g. ``word_tokens([' is', ' H', 'ano', 'i', '.'], "Hanoi") == [1, 2, 3]``.
-    """
-    text = "".join(tokens)
-    start = text.rfind(word) if word else -1
-    if start < 0:
-        raise ValueError(f"word {word!r} does not occur in the tokens {text!r}")
-    ends = np.cumsum([len(token) for token in tokens])
-    return [i for i, (end, token) in enumerate(zip(ends, tokens))
-            if end > start and end - len(token) < start + len(word)]
-
-
 def precision(dtype: torch.dtype) -> torch.dtype:
     """Working precision of IG-Lens results: float64 for a float64 model, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
