@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -1347,6 +1348,37 @@ def _replace_first(output, tensor):
     return tensor
 
 
+@contextmanager
+def _frozen_parameters(model):
+    """Parameters excluded from autograd for the duration (captum needs gradients of states only)."""
+    flags = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param, flag in zip(model.parameters(), flags):
+            param.requires_grad_(flag)
+
+
+def _captum_column(explainer, hooks, inputs, baselines, steps: int, method: str):
+    """One captum ``attribute`` call, its hooks removed afterwards.
+
+    Returns:
+        ``(values (B,), limits (B,))`` float64: the attribution summed over positions and hidden
+        dimensions, and that minus captum's convergence delta.
+    """
+    try:
+        with torch.enable_grad():
+            attributions, delta = explainer.attribute(
+                inputs, baselines=baselines, target=list(range(len(inputs))), n_steps=steps,
+                method=method, return_convergence_delta=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    values = attributions.detach().double().sum((1, 2)).cpu()
+    return values, values - delta.detach().double().cpu()
+
+
 class _Probe(nn.Module):
     """Identity module placed on a residual state, so that captum can hook a plain tensor."""
 
@@ -1421,9 +1453,7 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
     values = torch.zeros(B, len(layers), dtype=torch.float64)
     limits = torch.zeros_like(values)
     starts = [0] + layers[:-1]
-    frozen = [p.requires_grad for p in model.parameters()]
-    model.requires_grad_(False)
-    try:
+    with _frozen_parameters(model):
         for j, (start, end) in enumerate(zip(starts, layers)):
             probe, state = _Probe(), {}
 
@@ -1441,21 +1471,9 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
 
             hooks = [adapter.blocks[start].register_forward_pre_hook(keep_input, with_kwargs=True),
                      adapter.blocks[end - 1].register_forward_hook(gated_output)]
-            try:
-                explainer = LayerIntegratedGradients(forward, probe)
-                with torch.enable_grad():
-                    attributions, delta = explainer.attribute(
-                        torch.ones(B, 1, device=device), baselines=torch.zeros(B, 1, device=device),
-                        target=list(range(B)), n_steps=steps, method=method,
-                        return_convergence_delta=True)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            values[:, j] = attributions.detach().double().sum((1, 2)).cpu()
-            limits[:, j] = values[:, j] - delta.detach().double().cpu()
-    finally:
-        for param, flag in zip(model.parameters(), frozen):
-            param.requires_grad_(flag)
+            values[:, j], limits[:, j] = _captum_column(
+                LayerIntegratedGradients(forward, probe), hooks, torch.ones(B, 1, device=device),
+                torch.zeros(B, 1, device=device), steps, method)
     return (values, limits) if return_limit else values
 
 
@@ -1498,9 +1516,7 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
     start = embedded["h0"].expand(B, -1, -1).clone()  # (B, S, d)
     values = torch.zeros(B, len(layers), dtype=torch.float64)
     limits = torch.zeros_like(values)
-    frozen = [p.requires_grad for p in model.parameters()]
-    model.requires_grad_(False)
-    try:
+    with _frozen_parameters(model):
         for j, end in enumerate(layers):
             probe, state = _Probe(), {}
 
@@ -1518,20 +1534,8 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
 
             hooks = [adapter.blocks[0].register_forward_pre_hook(substitute, with_kwargs=True),
                      adapter.blocks[end - 1].register_forward_hook(probed)]
-            try:
-                explainer = LayerConductance(forward, probe)
-                with torch.enable_grad():
-                    attributions, delta = explainer.attribute(
-                        start, baselines=torch.zeros_like(start), target=list(range(B)),
-                        n_steps=steps, method=method, return_convergence_delta=True)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            values[:, j] = attributions.detach().double().sum((1, 2)).cpu()
-            limits[:, j] = values[:, j] - delta.detach().double().cpu()
-    finally:
-        for param, flag in zip(model.parameters(), frozen):
-            param.requires_grad_(flag)
+            values[:, j], limits[:, j] = _captum_column(
+                LayerConductance(forward, probe), hooks, start, torch.zeros_like(start), steps, method)
     return (values, limits) if return_limit else values
 
 
@@ -1566,10 +1570,6 @@ def _ablated_module(block: nn.Module, part: Optional[str]) -> nn.Module:
     return module
 
 
-def _with_first(output, first: torch.Tensor):
-    return (first,) + tuple(output[1:]) if isinstance(output, (tuple, list)) else first
-
-
 def _ablation_hook(rows: torch.Tensor, mode: str, whole_block: bool):
     """Forward hook replacing the update of ``rows`` of the batch (one ablated layer per row)."""
     def hook(module, args, kwargs, output):
@@ -1579,7 +1579,7 @@ def _ablation_hook(rows: torch.Tensor, mode: str, whole_block: bool):
         replaced = torch.zeros_like(update) if mode == "zero" else update.mean(1, keepdim=True).expand_as(update)
         out = out.clone()
         out[rows] = start[rows] + replaced
-        return _with_first(output, out)
+        return _replace_first(output, out)
     return hook
 
 
