@@ -306,6 +306,29 @@ def get_adapter(model: nn.Module, *, norm: Optional[nn.Module] = None,
     return Adapter(blocks, norm, head, softcap, float(scale))
 
 
+def _norm_form(norm: nn.Module, head: nn.Module) -> tuple[Optional[str], float]:
+    """``("rms" | "layer", eps)`` when ``norm(h) = s(h) A h + b`` is known to hold and the head is
+    linear (see ``Readout.along_segments``); ``(None, 0.0)`` otherwise."""
+    if not isinstance(head, nn.Linear):
+        return None, 0.0
+    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
+        return "layer", float(norm.eps)
+    eps = _first_attr(norm, ("variance_epsilon", "eps"))
+    if "rmsnorm" in type(norm).__name__.lower() and isinstance(eps, (int, float)):
+        return "rms", float(eps)
+    return None, 0.0
+
+
+def _target_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits)`` at ``index`` along the last axis, computed in place (``logits`` is used up).
+
+    One buffer of the logits' size instead of two, and the normaliser from the summation kernel:
+    on SmolLM2 (V = 49152, float32) within 3e-7 of float64, where ``log_softmax`` is off by 7e-6
+    (it is ~3x faster, and stays in ``Readout.__call__``)."""
+    exp = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    return exp.gather(-1, index) / exp.sum(-1, keepdim=True)
+
+
 def _context_length(model: nn.Module) -> Optional[int]:
     config = getattr(model.config, "text_config", None) or model.config
     return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx"))
@@ -660,6 +683,8 @@ class Readout:
         self.device, self.dtype = weight.device, weight.dtype  # the head's device
         norm_weight = next(self.adapter.norm.parameters(), None)
         self.norm_device = norm_weight.device if norm_weight is not None else self.device
+        self.norm_kind, self.norm_eps = _norm_form(self.adapter.norm, self.adapter.head)
+        self._form_checked = False
 
     def chunk_rows(self, extra_copies: int = 3) -> int:
         """Rows per chunk: logits plus ``extra_copies`` temporaries of the same size fit the budget.
@@ -739,7 +764,9 @@ class Readout:
             probs.div_(probs.sum(-1, keepdim=True))                    # (rows, V) buffer fewer
             p_y = probs.gather(-1, ids[sl, None])[:, 0]
             t_y = tangent.gather(-1, ids[sl, None])[:, 0]
-            out[sl] = p_y * (t_y - torch.einsum("rv,rv->r", probs, tangent))  # no product temporary
+            # a float32 einsum/bmm here accumulates over V with errors up to 1e-3 (measured on
+            # SmolLM2 against float64); the summation kernel stays near 3e-6
+            out[sl] = p_y * (t_y - tangent.mul_(probs).sum(-1))
         return out.reshape(shape).to(hidden.device)
 
     def _logits_and_tangent(self, rows: torch.Tensor, dirs: torch.Tensor):
@@ -760,12 +787,178 @@ class Readout:
         if head.bias is not None:
             head_out = head_out + head.bias
         logits = self._finish(head_out)
-        tangent = tangent.to(logits.dtype)  # and the tangent of _finish, by hand:
+        return logits, self._finish_tangent(tangent, logits)
+
+    def _finish_tangent(self, tangent: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Tangent of the head output -> tangent of the logits (the derivative of ``_finish``)."""
+        tangent = tangent.to(logits.dtype)
         if self.adapter.logit_scale != 1.0:
             tangent = tangent * self.adapter.logit_scale
         if self.adapter.softcap:  # d/du [c tanh(u / c)] = 1 - tanh(u / c)^2
             tangent = tangent * (1 - (logits / self.adapter.softcap) ** 2)
-        return logits, tangent
+        return tangent
+
+    # -- along straight segments: f and its slope from one product per path node ----------------
+    #
+    # The final norm is a per-point scale times a linear map plus a constant:
+    # ``norm(h) = s(h) * A h + b`` (RMSNorm: A = diag(w), b = 0; LayerNorm: A = diag(w) centring,
+    # b its bias; Gemma: w -> 1 + w). So the head output is ``s(h) Z(h) + c`` with ``Z(h) = W A h``
+    # linear in h and ``c = W b + bias``. On the segment ``a -> b`` the point
+    # ``a + alpha (b - a)`` has head output ``s(alpha) ((1 - alpha) Z(a) + alpha Z(b)) + c``: one
+    # (d x V) product per path node, then only V-wide elementwise work per grid point. The slope
+    # ``df/dalpha`` follows from ``dZ/dalpha = Z(b) - Z(a)`` and ``ds/dalpha`` in closed form.
+
+    def _scale(self, points: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (...) the norm's per-point scale ``s(h) = rsqrt(mean(h'^2) + eps)``.
+
+        ``h'`` is ``h`` (RMSNorm) or ``h`` minus its mean (LayerNorm)."""
+        if self.norm_kind == "layer":
+            points = points - points.mean(-1, keepdim=True)
+        return torch.rsqrt(points.pow(2).mean(-1) + self.norm_eps)
+
+    def _scale_slope(self, points: torch.Tensor, direction: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor:
+        """(..., d), (..., d), (...) -> (...) derivative of ``s`` along ``direction``: -s^3 mean(h' d')."""
+        if self.norm_kind == "layer":
+            points = points - points.mean(-1, keepdim=True)
+            direction = direction - direction.mean(-1, keepdim=True)
+        return -scale.pow(3) * (points * direction).mean(-1)
+
+    def _node_products(self, rows: torch.Tensor, ids: torch.Tensor,
+                       offset: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Path nodes -> their products ``Z(h) = (head(norm(h)) - c) / s(h)`` and f there.
+
+        Args:
+            rows: (r, d) nodes; ids: (r,) their targets; offset: (V,) ``c`` or None.
+
+        Returns:
+            ``(Z (r, V), f (r,))`` in working precision; f is read from the model's own logits.
+        """
+        head_out = self.adapter.head(self.adapter.norm(rows.to(self.norm_device, self.dtype)).to(self.device))
+        f_nodes = torch.cat([_target_softmax(self._finish(part.clone()), part_ids[:, None])[:, 0]
+                             for part, part_ids in zip(head_out.split(16), ids.split(16))])
+        out = head_out.to(precision(self.dtype))
+        if offset is not None:
+            out = out.sub_(offset)
+        return out.mul_((1.0 / self._scale(rows.to(self.device, out.dtype)))[:, None]), f_nodes
+
+    def _head_offset(self) -> Optional[torch.Tensor]:
+        """(V,) the constant ``c = W b + bias`` of the head output, or None when it is zero."""
+        head, bias = self.adapter.head, getattr(self.adapter.norm, "bias", None)
+        if bias is None and head.bias is None:
+            return None
+        if bias is None:
+            return head.bias.to(precision(self.dtype))
+        return nn.functional.linear(bias.to(self.device, self.dtype), head.weight, head.bias).to(
+            precision(self.dtype))
+
+    def _segment(self, z_start, z_end, start, end, alphas, ids, offset, slope: bool) -> torch.Tensor:
+        """f (or df/dalpha) on one segment for a block of tokens.
+
+        Args:
+            z_start, z_end: (b, V) node products of the segment's ends.
+            start, end: (b, d) the ends, working precision.
+            alphas: (m',) positions in [0, 1]; ids: (b,) targets; offset: (V,) ``c`` or None.
+
+        Returns:
+            (b, m').
+        """
+        delta = end - start  # (b, d)
+        points = start[:, None] + alphas[None, :, None] * delta[:, None]  # (b, m', d)
+        scale = self._scale(points)  # (b, m')
+        mix = torch.stack([1 - alphas, alphas], -1)  # (m', 2)
+        pair = torch.stack([z_start, z_end], 1)  # (b, 2, V)
+        head_out = torch.bmm(scale[..., None] * mix, pair)  # (b, m', V)
+        if offset is not None:
+            head_out += offset
+        logits = self._finish(head_out)
+        index = ids[:, None, None].expand(-1, len(alphas), 1)
+        if not slope:
+            return _target_softmax(logits, index)[..., 0]
+        scale_slope = self._scale_slope(points, delta[:, None].expand_as(points), scale)  # (b, m')
+        ends = torch.tensor([-1.0, 1.0], dtype=mix.dtype, device=mix.device)
+        tangent = torch.bmm(scale_slope[..., None] * mix + scale[..., None] * ends, pair)  # (b, m', V)
+        tangent = self._finish_tangent(tangent, logits)
+        probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax in place
+        probs.div_(probs.sum(-1, keepdim=True))
+        p_y, t_y = probs.gather(-1, index)[..., 0], tangent.gather(-1, index)[..., 0]
+        return p_y * (t_y - tangent.mul_(probs).sum(-1))  # see Readout.directional on the sum
+
+    @torch.no_grad()
+    def along_segments(self, nodes: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
+                       *, slope: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """f, or its slope, at ``h_j + alpha (h_(j+1) - h_j)`` for every segment j and alpha.
+
+        The slope is ``df/dalpha = <h_(j+1) - h_j, grad f>`` (probability per unit of alpha). When
+        the final norm has the form ``s(h) A h + b`` (RMSNorm, Gemma's RMSNorm, LayerNorm) and the
+        head is linear, this costs one head product per path node (a logit-lens pass, whose
+        values come back too) and elementwise work per point; otherwise every point is read out
+        on its own. The first call checks the factorised values against the direct readout and
+        falls back, with a warning, if they disagree.
+
+        Args:
+            nodes: (K+1, T, d) path nodes, baseline first.
+            targets: (T,) token ids.
+            alphas: (m',) positions along every segment.
+            slope: return ``df/dalpha`` instead of f.
+
+        Returns:
+            ``(values (K, T, m'), lens (K+1, T))``: f or its slope on the segments, and f at the
+            nodes; float32 (float64 for a float64 model), on the CPU when ``nodes`` was.
+        """
+        K, T, d = nodes.shape[0] - 1, nodes.shape[1], nodes.shape[2]
+        work = precision(self.dtype)
+        alphas = torch.as_tensor(alphas).to(self.device, work)
+        if self.norm_kind is not None and not self._form_checked and len(alphas) and K:
+            self._check_form(nodes, targets, alphas, slope)
+        if self.norm_kind is None or not len(alphas) or not K:
+            starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
+            points = starts[:, :, None] + alphas.to(nodes)[None, None, :, None] * deltas[:, :, None]
+            lens = self(nodes, targets[None])
+            if slope:
+                return self.directional(points, deltas[:, :, None].expand_as(points),
+                                        targets[None, :, None]), lens
+            return self(points, targets[None, :, None]), lens
+        out = torch.empty(K, T, len(alphas), dtype=work, device=self.device)
+        lens = torch.empty(K + 1, T, dtype=work, device=self.device)
+        half = max(1, self.chunk_rows() // 2)  # rows of node products, and of grid points
+        block = max(1, min(T, half // len(alphas)))  # tokens per block: block * m' grid rows
+        group = max(1, half // block)  # path nodes per product: group * block rows
+        ids, offset = targets.to(self.device), self._head_offset()
+        for t0 in range(0, T, block):
+            tokens = slice(t0, t0 + block)
+            ends = nodes[:, tokens].to(self.device, work)  # (K+1, b, d)
+            products = []  # node products of this block, j -> (b, V); dropped once used
+            for j in range(K):
+                if j + 1 >= len(products):  # the next group of nodes, in one product
+                    if products:  # keep the carried node, free the rest of the last group's buffer
+                        products[-1] = products[-1].clone()
+                    new = nodes[len(products):min(K + 1, j + 1 + group), tokens]  # (g, b, d)
+                    b = new.shape[1]
+                    z, f_nodes = self._node_products(new.reshape(-1, d), ids[tokens].repeat(len(new)), offset)
+                    lens[len(products):len(products) + len(new), tokens] = f_nodes.reshape(len(new), b)
+                    products += list(z.reshape(len(new), b, self.vocab_size).unbind(0))
+                out[j, tokens] = self._segment(products[j], products[j + 1], ends[j], ends[j + 1],
+                                               alphas, ids[tokens], offset, slope)
+                products[j] = None
+        return out.to(nodes.device), lens.to(nodes.device)
+
+    def _check_form(self, nodes, targets, alphas, slope: bool) -> None:
+        """Compare the factorised path with the direct readout on the first segment, once."""
+        self._form_checked = True
+        few = slice(0, 2)
+        sample = nodes[:2, few]
+        kind, self.norm_kind = self.norm_kind, None
+        direct = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, slope=slope)])
+        self.norm_kind = kind
+        factorised = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas,
+                                                                         slope=slope)])
+        tol = 1e-4 * (1.0 + float(direct.abs().max()))
+        if not torch.allclose(factorised, direct, atol=tol, rtol=0):
+            warnings.warn(f"the final norm {type(self.adapter.norm).__name__} does not behave as "
+                          f"s(h) A h + b ({self.norm_kind}); IG-Lens reads out every point on its own "
+                          "(slower, same values)")
+            self.norm_kind = None
 
 
 # ---------------------------------------------------------------------------
@@ -936,10 +1129,13 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
 
     Cost. Without a profile the prediction-aware values need ``f`` only at the ``K+1`` path
     nodes, since the steps of a segment telescope: the exact map costs one logit-lens pass
-    whatever ``steps`` is. With ``profile=True`` every grid point of every segment is read out in
-    one batched, chunked pass (``K*m + 1`` points per token: neighbouring segments share their
-    endpoint), and the values are summed step by step from it. Gradient estimators evaluate
-    ``<h_Lj - h_L(j-1), grad f>`` by forward-mode differentiation; nothing calls backward.
+    whatever ``steps`` is. With ``profile=True`` f is evaluated at every grid point of every
+    segment (``K*m + 1`` points per token: neighbouring segments share their endpoint) and the
+    values are summed step by step from it. Gradient estimators evaluate
+    ``<h_Lj - h_L(j-1), grad f>`` in closed form; nothing calls backward. Both read the grid
+    points through :meth:`Readout.along_segments`: the final norm is a per-point scale times a
+    linear map, so one head product per path node serves every point of the segments it ends,
+    and the per-point work is elementwise over the vocabulary.
 
     Args:
         model: the causal LM that produced ``trace``.
@@ -975,33 +1171,23 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
     targets = trace.targets
     K, m = len(layers), int(steps)
 
-    grid = None
-    if profile:
-        # (T, K*m+1, d): shared endpoints, so segment j's grid is points j*m .. (j+1)*m
-        alphas = torch.arange(1, m + 1, dtype=work) / m  # (m,)
-        starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
-        inner = starts[:, :, None] + alphas[None, None, :, None] * deltas[:, :, None]  # (K, T, m, d)
-        points = torch.cat([nodes[0][:, None], inner.permute(1, 0, 2, 3).reshape(len(targets), K * m, -1)], 1)
-        flat = readout(points, targets[:, None])  # (T, K*m+1)
-        index = torch.arange(K)[:, None] * m + torch.arange(m + 1)[None]  # (K, m+1)
-        grid = flat[:, index]  # (T, K, m+1)
-        lens = flat[:, ::m]  # (T, K+1) the path nodes
-    else:
-        lens = readout(nodes, targets[None]).T  # (T, K+1)
+    lens, grid = None, None  # lens: (T, K+1) f at the path nodes, the logit lens
+    if profile:  # the K*m+1 points per token: the nodes and m-1 interior points per segment
+        inner, lens = readout.along_segments(nodes, targets, torch.arange(1, m) / m)  # (K, T, m-1)
+        lens = lens.T
+        grid = torch.cat([lens[:, :-1, None], inner.permute(1, 0, 2), lens[:, 1:, None]], -1)
 
     if estimator == "prediction_aware":
         if grid is not None:
             values = (grid[..., 1:] - grid[..., :-1]).sum(-1)  # step by step, (T, K)
         else:
+            lens = readout(nodes, targets[None]).T
             values = lens[:, 1:] - lens[:, :-1]
     else:
         alphas, weights = quadrature(estimator, m)
-        alphas, weights = alphas.to(work), weights.to(work)
-        starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
-        points = starts[:, :, None] + alphas[None, None, :, None] * deltas[:, :, None]  # (K, T, m', d)
-        slopes = readout.directional(points, deltas[:, :, None].expand_as(points),
-                                     targets[None, :, None])  # (K, T, m')
-        values = (slopes.to(work) * weights).sum(-1).T  # (T, K)
+        slopes, node_f = readout.along_segments(nodes, targets, alphas, slope=True)  # (K, T, m')
+        lens = node_f.T if lens is None else lens
+        values = (slopes * weights.to(slopes)).sum(-1).T  # (T, K)
 
     lens = lens.float() if work != torch.float64 else lens
     values = values.to(lens.dtype)

@@ -85,3 +85,30 @@ def test_quadrature_weights_sum_to_one():
             assert 0.0 <= float(alphas.min()) and float(alphas.max()) <= 1.0
     nodes, _ = np.polynomial.legendre.leggauss(3)
     assert np.allclose(ig.quadrature("gauss_legendre", 3)[0].numpy(), (nodes + 1) / 2)
+
+
+def test_float32_estimators_match_float64_on_the_packaged_model(packaged):
+    """float32 gradient estimators and profile stay near float64 where f jumps (V = 49152).
+
+    The reference reads out every point on its own in float64 (no node products). A float32
+    einsum over the vocabulary, used here before, was off by 6e-4.
+    """
+    import copy
+    model, tokenizer = packaged
+    ids, prompt_len = ig.encode(tokenizer, "What is the capital of Vietnam?",
+                                "The capital of Vietnam is Hanoi.")
+    trace = ig.collect(model, ids, prompt_len)
+    model64 = copy.deepcopy(model).double()
+    trace64 = ig.Trace(trace.input_ids, trace.prompt_len, trace.targets, trace.positions,
+                       trace.hidden.double(), trace.model_probs.double())
+    reference = ig.Readout(model64)
+    reference.norm_kind = None  # every point through the model's own norm and head
+    layers = [10, 20, 27, 28, 29, 30]
+    for estimator, steps, profile in [("riemann_mid", 4, False), ("gauss_legendre", 3, False),
+                                      ("prediction_aware", 8, True)]:
+        ours = ig.ig_lens(model, trace, layers=layers, estimator=estimator, steps=steps, profile=profile)
+        exact = ig.ig_lens(model64, trace64, layers=layers, estimator=estimator, steps=steps,
+                           profile=profile, readout=reference)
+        torch.testing.assert_close(ours.values.double(), exact.values, atol=2e-5, rtol=0)
+        if profile:
+            torch.testing.assert_close(ours.profile.double(), exact.profile, atol=2e-5, rtol=0)
