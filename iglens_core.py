@@ -319,14 +319,13 @@ def _norm_form(norm: nn.Module, head: nn.Module) -> tuple[Optional[str], float]:
     return None, 0.0
 
 
-def _target_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``softmax(logits)`` at ``index`` along the last axis, computed in place (``logits`` is used up).
+def _target_prob(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits)`` at ``index`` along the last axis (same shape as ``index``).
 
-    One buffer of the logits' size instead of two, and the normaliser from the summation kernel:
-    on SmolLM2 (V = 49152, float32) within 3e-7 of float64, where ``log_softmax`` is off by 7e-6
-    (it is ~3x faster, and stays in ``Readout.__call__``)."""
-    exp = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-    return exp.gather(-1, index) / exp.sum(-1, keepdim=True)
+    ``log_softmax`` + gather: the fastest here (bench.py); in float32 at V = 49152 its internal sum
+    costs up to 7e-6 in probability against float64 (an in-place exp and the summation kernel
+    reach 3e-7 but take ~3x as long)."""
+    return torch.log_softmax(logits, -1).gather(-1, index).exp()
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
@@ -730,10 +729,9 @@ class Readout:
         out = torch.empty(rows.shape[0], dtype=precision(self.dtype), device=self.device)
         step = self.chunk_rows()
         for start in range(0, rows.shape[0], step):
-            logits = self.logits(rows[start:start + step])
             # log_softmax + gather: measured faster than gather - logsumexp on a CPU (bench.py)
-            logp = torch.log_softmax(logits, -1)
-            out[start:start + step] = logp.gather(-1, ids[start:start + step, None])[:, 0].exp()
+            out[start:start + step] = _target_prob(self.logits(rows[start:start + step]),
+                                                   ids[start:start + step, None])[:, 0]
         return out.reshape(shape).to(hidden.device)
 
     @torch.no_grad()
@@ -835,8 +833,8 @@ class Readout:
             ``(Z (r, V), f (r,))`` in working precision; f is read from the model's own logits.
         """
         head_out = self.adapter.head(self.adapter.norm(rows.to(self.norm_device, self.dtype)).to(self.device))
-        f_nodes = torch.cat([_target_softmax(self._finish(part.clone()), part_ids[:, None])[:, 0]
-                             for part, part_ids in zip(head_out.split(16), ids.split(16))])
+        f_nodes = torch.cat([_target_prob(self._finish(part), part_ids[:, None])[:, 0]  # 16 rows
+                             for part, part_ids in zip(head_out.split(16), ids.split(16))])  # of temporaries
         out = head_out.to(precision(self.dtype))
         if offset is not None:
             out = out.sub_(offset)
@@ -874,7 +872,7 @@ class Readout:
         logits = self._finish(head_out)
         index = ids[:, None, None].expand(-1, len(alphas), 1)
         if not slope:
-            return _target_softmax(logits, index)[..., 0]
+            return _target_prob(logits, index)[..., 0]
         scale_slope = self._scale_slope(points, delta[:, None].expand_as(points), scale)  # (b, m')
         ends = torch.tensor([-1.0, 1.0], dtype=mix.dtype, device=mix.device)
         tangent = torch.bmm(scale_slope[..., None] * mix + scale[..., None] * ends, pair)  # (b, m', V)
