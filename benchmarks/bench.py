@@ -215,8 +215,8 @@ def add(measure, ours, reference, ratio, target="", met=None):
 
 def print_table(header: str) -> None:
     cols = ("measure", "ours", "reference", "ratio", "target", "met?")
-    cells = [(r.measure, r.ours, r.reference, r.ratio, r.target,
-              "-" if r.met is None else ("yes" if r.met else "**no**")) for r in ROWS]
+    cells = [tuple(c.replace("|", "\\|") for c in (r.measure, r.ours, r.reference, r.ratio, r.target))
+             + ("-" if r.met is None else ("yes" if r.met else "**no**"),) for r in ROWS]  # markdown
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
     print(header)
