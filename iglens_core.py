@@ -7,8 +7,9 @@ One plain module. Sections, in reading order:
 3. prompts and the collector (one forward pass -> a ``Trace``)
 4. the head-once readout ``Readout``
 5. the integrator and its estimators (``ig_lens`` -> ``Attribution``)
-6. plotting and figures
-7. command line
+6. datasets (``attribute_dataset``: batched, resumable, on one process or many)
+7. plotting and figures
+8. command line
 
 The comparison methods (DLA, tuned lens, captum layer IG / conductance), the causal references
 (ablation) and the onset metrics live beside this module in ``iglens_compare.py``, which imports it.
@@ -144,6 +145,9 @@ def resolve_model_path(name: str) -> str:
     Raises:
         FileNotFoundError: naming the model and how to make it available.
     """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model name must be a packaged name {sorted(PACKAGED_MODELS)}, a local "
+                         f"directory or a Hugging Face id, got {name!r}")
     if name in PACKAGED_MODELS:
         cached = CACHE_DIR / name
         if not (cached / "config.json").exists():
@@ -165,7 +169,7 @@ def resolve_model_path(name: str) -> str:
 
 
 def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
-               dtype: torch.dtype = torch.float32, device_map=None):
+               dtype: torch.dtype = torch.float32, device_map=None, **from_pretrained):
     """Load a causal LM and its tokenizer, offline.
 
     Args:
@@ -175,6 +179,8 @@ def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
         dtype: parameter dtype.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` via accelerate for models
             larger than one device); ``device`` is then ignored.
+        **from_pretrained: more ``from_pretrained`` arguments, e.g. ``max_memory={0: "20GiB",
+            "cpu": "60GiB"}`` and ``offload_folder="offload"`` with ``device_map="auto"``.
 
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
@@ -184,7 +190,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
     path = resolve_model_path(name)
     offline = dict(local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, **offline)
-    kwargs = dict(dtype=dtype, **offline)
+    kwargs = dict(dtype=dtype, **offline, **from_pretrained)
     if device_map is not None:
         kwargs["device_map"] = device_map
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -318,6 +324,18 @@ def _norm_form(norm: nn.Module, head: nn.Module) -> tuple[Optional[str], float]:
     return None, 0.0
 
 
+def _execution_device(module: nn.Module, default: torch.device) -> torch.device:
+    """Device a module computes on: accelerate's execution device when ``device_map`` offloaded
+    its weights (to the CPU or disk: they then sit on ``meta`` between calls), else its first
+    parameter's device, else ``default``."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    param = next(module.parameters(), None)
+    return param.device if param is not None and param.device.type != "meta" else default
+
+
 def _target_prob(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``softmax(logits)`` at ``index`` along the last axis (same shape as ``index``).
 
@@ -376,17 +394,11 @@ def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
         raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
     if answer is not None and not answer.strip():
         raise ValueError(f"answer must be a non-empty string or None (greedy), got {answer!r}")
-    if chat and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        prompt_ids = _as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                           tokenize=True))
-    else:
-        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        bos = tokenizer.bos_token_id
-        if getattr(tokenizer, "add_bos_token", False) and bos is not None and prompt_ids[:1] != [bos]:
-            prompt_ids = [bos] + prompt_ids
+    prompt_ids = _prompt_ids(tokenizer, prompt, chat)
     if answer is not None:
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if not answer_ids:
+            raise ValueError(f"answer {answer!r} tokenizes to no tokens")
     else:
         if model is None:
             raise ValueError("encode(answer=None) generates the greedy answer and needs model=")
@@ -395,6 +407,20 @@ def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
             raise ValueError(f"the model's greedy answer to {prompt!r} is empty (it stopped at once)")
     input_ids = torch.tensor([prompt_ids + answer_ids], dtype=torch.long)
     return input_ids, len(prompt_ids)
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of the prompt: the chat template's user turn and generation prompt, or raw
+    text with the tokenizer's BOS (restored when the tokenizer forgets it)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return _as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True))
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and prompt_ids[:1] != [bos]:
+        prompt_ids = [bos] + prompt_ids
+    return prompt_ids
 
 
 @torch.no_grad()
@@ -491,6 +517,12 @@ def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape (1, L), got {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    vocab = model.get_input_embeddings().num_embeddings
+    if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique()[:5].tolist()
+        raise ValueError(f"token ids must lie in 0..{vocab - 1} (the model's vocabulary), got {bad}")
     length = input_ids.shape[1]
     if not 1 <= prompt_len <= length - 1:
         raise ValueError(f"prompt_len must be in 1..{length - 1} (sequence length {length}), "
@@ -500,6 +532,18 @@ def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
         raise ValueError(f"sequence of {length} tokens is longer than the model's context of "
                          f"{context}")
     return input_ids
+
+
+def _logits_at_end(model, keep: int, **inputs) -> torch.Tensor:
+    """(B, keep, V) the model's logits at the last ``keep`` columns only.
+
+    Uses ``logits_to_keep`` where the model's forward takes it, so the head runs on ``keep``
+    rows per sequence instead of all ``L`` (at V = 262144, 16 x 60 tokens of logits are 1 GB);
+    otherwise the full logits, sliced."""
+    import inspect
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    return model(**inputs, use_cache=False).logits[:, -keep:]
 
 
 def _stream_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None],
@@ -550,7 +594,8 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     hooks = _stream_hooks(adapter, lambda index, tensor: keep(stream, index, tensor),
                           (lambda layer, tensor: keep(mids, layer, tensor)) if sublayer else None)
     try:
-        logits = model(input_ids.to(device), use_cache=False).logits[0, positions.to(device)]
+        # positions are the last T + 1 columns but the very last: the head runs on T + 1 rows
+        logits = _logits_at_end(model, len(positions) + 1, input_ids=input_ids.to(device))[0, :-1]
     finally:
         for hook in hooks:
             hook.remove()
@@ -558,7 +603,8 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     if not torch.isfinite(hidden).all():
         raise ValueError("the hidden states contain NaN or inf; check the model's dtype and weights")
     targets = input_ids[0, prompt_len:].cpu()
-    model_probs = torch.softmax(logits.to(precision(logits.dtype)), -1).gather(-1, targets[:, None].to(device))[:, 0].cpu()
+    model_probs = torch.softmax(logits.to(precision(logits.dtype)), -1).gather(
+        -1, targets[:, None].to(logits.device))[:, 0].cpu()
     return Trace(input_ids.cpu(), prompt_len, targets, positions, hidden, model_probs,
                  torch.stack(mids) if sublayer else None)
 
@@ -603,14 +649,16 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
             input_ids[row, width - len(ids):] = ids
             mask[row, width - len(ids):] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        # left padding: every row's positions lie in the last max(T) + 1 columns
+        keep = max(checked[i][0].shape[1] - checked[i][1] for i in chunk) + 1
         stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
         mids: list[Optional[torch.Tensor]] = [None] * n
         hooks = _stream_hooks(adapter, lambda index, tensor: stream.__setitem__(index, tensor.detach()),
                               (lambda layer, tensor: mids.__setitem__(layer, tensor.detach()))
                               if sublayer else None)
         try:
-            logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                           position_ids=position_ids.to(device), use_cache=False).logits
+            logits = _logits_at_end(model, keep, input_ids=input_ids.to(device),
+                                    attention_mask=mask.to(device), position_ids=position_ids.to(device))
         finally:
             for hook in hooks:
                 hook.remove()
@@ -618,16 +666,19 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
             ids, prompt_len = checked[i]
             length = ids.shape[1]
             positions = torch.arange(prompt_len - 1, length - 1)
-            picked = (positions + width - length).to(device)  # the same positions in the padded row
+            picked = positions + width - length  # the same positions in the padded row
             work = precision(stream[0].dtype)
-            hidden = torch.stack([s[row, picked] for s in stream]).to(work).cpu()  # (n+1, T, d)
+            # with device_map="auto" the blocks (and the head) may sit on different devices
+            hidden = torch.stack([s[row, picked.to(s.device)].cpu() for s in stream]).to(work)  # (n+1, T, d)
             if not torch.isfinite(hidden).all():
                 raise ValueError("the hidden states contain NaN or inf; check the model's dtype "
                                  "and weights")
             targets = ids[0, prompt_len:].cpu()
-            probs = torch.softmax(logits[row, picked].to(precision(logits.dtype)), -1)
-            model_probs = probs.gather(-1, targets[:, None].to(device))[:, 0].cpu()
-            mid = torch.stack([s[row, picked] for s in mids]).to(work).cpu() if sublayer else None
+            columns = (picked - (width - keep)).to(logits.device)
+            probs = torch.softmax(logits[row, columns].to(precision(logits.dtype)), -1)
+            model_probs = probs.gather(-1, targets[:, None].to(logits.device))[:, 0].cpu()
+            mid = (torch.stack([s[row, picked.to(s.device)].cpu() for s in mids]).to(work)
+                   if sublayer else None)
             traces[i] = Trace(ids.cpu(), prompt_len, targets, positions, hidden, model_probs, mid)
     return traces
 
@@ -676,11 +727,12 @@ class Readout:
                  memory_budget: int = DEFAULT_MEMORY_BUDGET):
         self.adapter = get_adapter(model, norm=norm, head=head)
         self.memory_budget = int(memory_budget)
-        weight = self.adapter.head.weight
+        weight = self.adapter.head.weight  # on "meta" when accelerate offloaded it
         self.vocab_size, self.hidden_size = weight.shape
-        self.device, self.dtype = weight.device, weight.dtype  # the head's device
-        norm_weight = next(self.adapter.norm.parameters(), None)
-        self.norm_device = norm_weight.device if norm_weight is not None else self.device
+        self.dtype = weight.dtype
+        # the head's and the norm's devices (device_map="auto" may split and offload them)
+        self.device = _execution_device(self.adapter.head, torch.device("cpu"))
+        self.norm_device = _execution_device(self.adapter.norm, self.device)
         self.norm_kind, self.norm_eps = _norm_form(self.adapter.norm, self.adapter.head)
         self._form_checked = False
 
@@ -778,11 +830,13 @@ class Readout:
         if not isinstance(head, nn.Linear):
             return torch.func.jvp(self.logits, (rows,), (dirs,))
         normed, normed_tangent = torch.func.jvp(self.adapter.norm, (rows,), (dirs,))
-        both = nn.functional.linear(torch.cat([normed, normed_tangent]).to(head.weight.device),
-                                    head.weight)  # (2 rows, V)
-        head_out, tangent = both[:len(rows)], both[len(rows):]
+        # through the head module, so that accelerate's hooks bring offloaded weights in; a zero
+        # row gives its bias, which the tangent must not carry
+        extra = [torch.zeros_like(normed[:1])] if head.bias is not None else []
+        both = head(torch.cat([normed, normed_tangent] + extra).to(self.device))  # (2 rows (+1), V)
+        head_out, tangent = both[:len(rows)], both[len(rows):2 * len(rows)]
         if head.bias is not None:
-            head_out = head_out + head.bias
+            tangent = tangent - both[-1]
         logits = self._finish(head_out)
         return logits, self._finish_tangent(tangent, logits)
 
@@ -844,10 +898,13 @@ class Readout:
         head, bias = self.adapter.head, getattr(self.adapter.norm, "bias", None)
         if bias is None and head.bias is None:
             return None
-        if bias is None:
-            return head.bias.to(precision(self.dtype))
-        return nn.functional.linear(bias.to(self.device, self.dtype), head.weight, head.bias).to(
-            precision(self.dtype))
+        if bias is None:  # the head module on a zero row: its bias, offloaded or not
+            return head(torch.zeros(1, self.hidden_size, device=self.device, dtype=self.dtype))[0].to(
+                precision(self.dtype))
+        # the norm's bias: on meta when offloaded; the module's own forward brings it in
+        bias = self.adapter.norm(torch.zeros(1, self.hidden_size, device=self.norm_device,
+                                             dtype=self.dtype))[0]
+        return head(bias[None].to(self.device))[0].to(precision(self.dtype))
 
     def _segment(self, z_start, z_end, start, end, alphas, ids, offset, slope: bool) -> torch.Tensor:
         """f (or df/dalpha) on one segment for a block of tokens.
@@ -986,6 +1043,38 @@ def quadrature(estimator: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
 
 
+def _check_steps(readout: Readout, steps: int, estimator: str, profile: bool) -> None:
+    """Bound ``steps`` so that one token's grid on one segment fits the readout's memory budget.
+
+    The grid of a segment (``m'`` points, each a (V,) row of logits and ~3 temporaries) is the
+    smallest unit :meth:`Readout.along_segments` evaluates. The exact map without a profile
+    reads out only the path nodes, so ``steps`` is not bounded there."""
+    if estimator == "prediction_aware" and not profile:
+        return
+    grid = steps + 1 if estimator == "trapezoid" else steps
+    most = max(2, readout.memory_budget // (readout.vocab_size * 4 * 4))
+    if grid > most:
+        limit = most - 1 if estimator == "trapezoid" else most
+        raise ValueError(f"steps={steps} puts {grid} points on every segment, and one token's "
+                         f"grid of V={readout.vocab_size} logits must fit memory_budget="
+                         f"{readout.memory_budget} bytes: steps must lie in 1..{limit} for "
+                         f"estimator={estimator!r}{' with profile=True' if profile else ''} (or "
+                         "pass readout=Readout(model, memory_budget=...) with a larger budget)")
+
+
+def _check_trace(readout: Readout, trace: Trace) -> None:
+    """The trace must come from the readout's model: layer count, hidden size, vocabulary."""
+    n = readout.adapter.n_layers
+    if trace.hidden.dim() != 3 or trace.n_layers != n or trace.hidden.shape[-1] != readout.hidden_size:
+        raise ValueError(f"the trace has hidden of shape {tuple(trace.hidden.shape)} but the model "
+                         f"has {n} blocks and hidden size {readout.hidden_size}, so (n+1, T, d) = "
+                         f"({n + 1}, T, {readout.hidden_size}): collect the trace with this model")
+    targets = trace.targets
+    if targets.numel() and not 0 <= int(targets.min()) <= int(targets.max()) < readout.vocab_size:
+        raise ValueError(f"trace targets must lie in 0..{readout.vocab_size - 1} (the model's "
+                         f"vocabulary), got {targets.tolist()}")
+
+
 @dataclass
 class Attribution:
     """IG-Lens attribution of the target probabilities of a trace.
@@ -1063,6 +1152,14 @@ def check_layers(layers: Optional[Sequence[int]], n_layers: int) -> list[int]:
     """Validate segment end layers (strictly increasing, in 1..n); append n when missing."""
     if layers is None:
         return list(range(1, n_layers + 1))
+    if isinstance(layers, (str, bytes)):
+        raise ValueError(f"layers must be a sequence of integers in 1..{n_layers}, got {layers!r}")
+    layers = list(layers)
+    wrong = [layer for layer in layers if isinstance(layer, bool)
+             or not isinstance(layer, (int, np.integer, torch.Tensor))
+             or (isinstance(layer, torch.Tensor) and (layer.dim() or layer.is_floating_point()))]
+    if wrong:
+        raise ValueError(f"layers must be integers in 1..{n_layers}, got {wrong!r}")
     layers = [int(layer) for layer in layers]
     if not layers:
         raise ValueError(f"layers must hold at least one layer in 1..{n_layers}, got []")
@@ -1088,6 +1185,9 @@ def _baseline(baseline, trace: Trace) -> tuple[torch.Tensor, str]:
         raise ValueError(f"baseline must be one of {BASELINES} or a tensor, got {baseline!r}")
     tensor = torch.as_tensor(baseline, dtype=start.dtype)
     d = start.shape[-1]
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"baseline tensor must be finite, got {int((~torch.isfinite(tensor)).sum())} "
+                         "NaN or inf entries")
     if tensor.shape == (d,):
         return tensor.expand_as(start), "custom"
     if tensor.shape == start.shape:
@@ -1158,6 +1258,8 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     readout = readout or Readout(model)
+    _check_trace(readout, trace)
+    _check_steps(readout, steps, estimator, profile)
     layers = check_layers(layers, trace.n_layers)
     if not torch.isfinite(trace.hidden).all():
         raise ValueError("trace.hidden contains NaN or inf")
@@ -1202,7 +1304,369 @@ def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.
 
 
 # ---------------------------------------------------------------------------
-# 6. Plotting and figures
+# 6. Datasets: many prompts in one call, batched, resumable, on one process or many
+# ---------------------------------------------------------------------------
+
+def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[int]] = None,
+                  baseline: Union[str, torch.Tensor] = "embedding", steps: int = 16,
+                  estimator: str = "prediction_aware", profile: bool = False,
+                  readout: Optional[Readout] = None) -> list[Attribution]:
+    """:func:`ig_lens` of many traces in one pass; the same attributions, one per trace.
+
+    The traces' tokens are joined along ``T`` (the head-once readout treats every point on its
+    own), so the path nodes of all of them go through the readout in one chunked pass, then the
+    result is split back. Each part's ``residual`` is its own.
+
+    Args:
+        traces: from :func:`collect` / :func:`collect_batch`, same model.
+        baseline: a name of :data:`BASELINES` (``"mean"`` is each trace's own mean) or a (d,) tensor.
+        layers, steps, estimator, profile, readout: as in :func:`ig_lens` (layer resolution).
+
+    Returns:
+        One :class:`Attribution` per trace, in order.
+    """
+    if not traces:
+        return []
+    if isinstance(baseline, str) and baseline == "mean":  # per trace, then joined: (sum T, d)
+        baseline_name = "mean"
+        baseline = torch.cat([_baseline("mean", trace)[0] for trace in traces])
+    else:
+        baseline_name = None
+    sizes = [len(trace.targets) for trace in traces]
+    joined = Trace(traces[0].input_ids, traces[0].prompt_len,
+                   torch.cat([trace.targets for trace in traces]),
+                   torch.cat([trace.positions for trace in traces]),
+                   torch.cat([trace.hidden for trace in traces], 1),
+                   torch.cat([trace.model_probs for trace in traces]))
+    whole = ig_lens(model, joined, layers=layers, baseline=baseline, steps=steps,
+                    estimator=estimator, profile=profile, readout=readout)
+    parts, start = [], 0
+    for size in sizes:
+        cut = slice(start, start + size)
+        values, p_base, p_final = whole.values[cut], whole.p_base[cut], whole.p_final[cut]
+        residual = float((values.double().sum(-1) - (p_final.double() - p_base.double())).abs().max())
+        parts.append(Attribution(values, whole.layers, whole.labels, p_base, p_final, whole.lens[cut],
+                                 residual, whole.targets[cut], whole.positions[cut], whole.estimator,
+                                 whole.steps, baseline_name or whole.baseline,
+                                 whole.profile[cut] if whole.profile is not None else None))
+        start += size
+    return parts
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+                   batch_size: int = 16) -> list[list[int]]:
+    """:func:`greedy_answer` for many prompts, ``batch_size`` at a time, left-padded.
+
+    Prompts of similar length go together; each answer stops at its first stop token (not
+    included). Equal to one-at-a-time greedy decoding up to ties broken by float rounding.
+
+    Args:
+        prompts: token ids of each prompt.
+
+    Returns:
+        The new token ids of each prompt, in input order (possibly empty).
+    """
+    device = next(model.parameters()).device
+    stops = stop_token_ids(tokenizer)
+    pad = stops[0] if stops else (tokenizer.pad_token_id or 0)
+    context = _context_length(model)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
+            mask[row, width - len(prompts[i]):] = 1
+        new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - width)
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=stops or None, pad_token_id=pad,
+                             use_cache=True)
+        for row, i in enumerate(chunk):
+            new = out[row, width:].tolist()
+            cut = next((k for k, tok in enumerate(new) if tok in stops), len(new))
+            answers[i] = new[:cut]
+    return answers
+
+
+def read_items(items) -> "pd.DataFrame":
+    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``.
+
+    Args:
+        items: a CSV path or a DataFrame with a ``prompt`` column, an optional ``answer`` column
+            (empty or NaN: the model's greedy answer) and an optional ``id`` column (default:
+            the row number). Other columns are ignored.
+
+    Returns:
+        A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
+        ``answer`` (str, or None for greedy).
+
+    Raises:
+        ValueError: no ``prompt`` column, or repeated ids.
+    """
+    import pandas as pd
+    frame = (pd.read_csv(items, dtype=str, keep_default_na=False) if isinstance(items, (str, Path))
+             else pd.DataFrame(items))
+    if "prompt" not in frame.columns:
+        raise ValueError(f"the dataset needs a 'prompt' column, got columns {list(frame.columns)}")
+    ids = frame["id"] if "id" in frame.columns else pd.Series(range(len(frame)))
+    ids = [str(i) for i in ids]
+    repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
+    if repeated:
+        raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
+    answers = frame["answer"] if "answer" in frame.columns else [None] * len(frame)
+    blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
+    return pd.DataFrame(dict(row=range(len(frame)), id=ids,
+                             prompt=["" if blank(p) else str(p) for p in frame["prompt"]],
+                             answer=[None if blank(a) else str(a) for a in answers]))
+
+
+def distributed_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` from torch.distributed's environment (``RANK``, ``WORLD_SIZE``, set by
+    ``torchrun`` and ``accelerate launch``); ``(0, 1)`` outside them.
+
+    With ``WORLD_SIZE > 1`` and no process group yet, a gloo group is started (the ranks only
+    wait for each other at a barrier; gloo runs on CPUs and GPUs alike, over TCP between nodes)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK must lie in 0..{world - 1} (WORLD_SIZE={world}), got {rank}")
+    if world > 1:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+    return rank, world
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def _write_shard(frame, path: Path) -> None:
+    """Write one parquet shard atomically: a temporary file, renamed (a kill leaves no half shard)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    frame.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def _read_shards(parts: Path, kind: str, prefix: str = ""):
+    """All ``kind`` ("results" or "errors") shards whose name starts with ``prefix``, or None."""
+    import pandas as pd
+    files = sorted(parts.glob(f"{prefix}*.{kind}.parquet"))
+    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else None
+
+
+def _tables(results, errors):
+    """Results and errors frames (None: empty), without the shard column, in input order."""
+    import pandas as pd
+    results = results if results is not None else pd.DataFrame(columns=_RESULT_COLUMNS)
+    errors = errors if errors is not None else pd.DataFrame(columns=["row", "id", "error"])
+    results = results.drop(columns="shard", errors="ignore").sort_values(["row", "token_index", "segment"])
+    errors = errors.drop(columns="shard", errors="ignore").sort_values("row")
+    return results.reset_index(drop=True), errors.reset_index(drop=True)
+
+
+def errors_path(out: Union[str, Path]) -> Path:
+    """Where :func:`attribute_dataset` writes the errors table: ``X.parquet`` -> ``X.errors.parquet``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".errors" + (out.suffix or ".parquet"))
+
+
+def _merge_shards(parts: Path, out: Path):
+    """Rank 0: every shard -> the final results and errors files, each item exactly once."""
+    results, errors = _read_shards(parts, "results"), _read_shards(parts, "errors")
+    if results is not None:  # an id is in one shard only, unless two runs wrote the folder at once
+        results = results[results["shard"] == results.groupby("id")["shard"].transform("min")]
+    if errors is not None:
+        errors = errors.drop_duplicates("id")
+        errors = errors[~errors["id"].isin(set(results["id"]) if results is not None else set())]
+    results, errors = _tables(results, errors)
+    _write_shard(results, out)
+    _write_shard(errors, errors_path(out))
+    return results, errors
+
+
+_RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "layer", "label",
+                   "value", "lens_start", "lens_end", "p_base", "p_final", "delta_p", "onset",
+                   "residual", "shard"]
+
+
+def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str):
+    frame = attribution.to_frame(tokenizer)
+    frame.insert(0, "id", item_id)
+    frame.insert(0, "row", row)
+    frame["delta_p"] = frame["p_final"] - frame["p_base"]
+    frame["residual"] = attribution.residual
+    return frame
+
+
+def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]] = None,
+                      steps: int = 16, estimator: str = "prediction_aware",
+                      baseline: Union[str, torch.Tensor] = "embedding", chat: bool = True,
+                      batch_size: int = 16, out: Optional[Union[str, Path]] = None,
+                      resume: bool = False, max_new_tokens: int = 32, progress: bool = True,
+                      readout: Optional[Readout] = None):
+    """IG-Lens over a whole dataset: batched, written as it goes, resumable, split over ranks.
+
+    Items are tokenised (errors recorded per row), sorted by length and taken ``batch_size`` at
+    a time: the greedy answers of the batch's items without an answer are generated together
+    (:func:`greedy_answers`), the batch runs through one forward pass (:func:`collect_batch`,
+    logits only at the answer positions) and the path nodes of all its tokens through one
+    chunked readout pass (:func:`ig_lens_batch`). A bad row (empty prompt, longer than the
+    context, ids outside the vocabulary, an answer that tokenises to nothing, an empty greedy
+    answer) goes to the errors table with its message and never stops the run or leaves part
+    of an item behind.
+
+    With ``out``, every batch is written to the shard folder ``OUT.parts/`` as soon as it is
+    made (parquet, atomically: a temporary file renamed), and rank 0 merges the shards into
+    ``out`` and :func:`errors_path` ``(out)`` at the end; the shards stay, so a finished run
+    resumes as a no-op. ``resume=True`` skips every id already in a shard (results or errors);
+    without it, existing shards are deleted first. Under ``torchrun`` / ``accelerate launch``
+    (``WORLD_SIZE > 1``, see :func:`distributed_rank`) rank r takes the items ``i % world == r``,
+    writes its own shards, and rank 0 merges after a barrier. While the run goes, memory
+    holds one batch (the readout chunks within ``readout.memory_budget``), whatever the
+    dataset's size; the final merge holds the results table once.
+
+    Args:
+        model, tokenizer: from :func:`load_model`.
+        items: CSV path or DataFrame, see :func:`read_items`.
+        layers, steps, estimator, baseline: as in :func:`ig_lens` (``baseline``: a name or a
+            (d,) tensor).
+        chat: apply the chat template to each prompt.
+        batch_size: items per forward pass and per shard (>= 1).
+        out: the final ``.parquet`` file, or None to write nothing.
+        resume: skip the ids already in ``OUT.parts/``.
+        max_new_tokens: length limit of the greedy answers.
+        progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
+        readout: a :class:`Readout` to reuse.
+
+    Returns:
+        ``(results, errors)`` DataFrames. ``results``: one row per (item, answer token, segment)
+        with ``row`` (input row), ``id``, ``token_index``, ``position``, ``token``, ``segment``
+        (index j), ``layer`` (its end layer), ``label``, ``value`` (probability credited),
+        ``lens_start``, ``lens_end`` (f at the segment's ends), ``p_base``, ``p_final``,
+        ``delta_p``, ``onset`` (layer) and ``residual`` (the item's max |sum - Δp|).
+        ``errors``: ``row``, ``id``, ``error``. With ``out`` and several ranks, rank 0 returns
+        the merged tables, other ranks their own part. ``results.attrs`` holds ``items_run``
+        (items attempted in this call, not skipped by ``resume``; on rank 0 with ``out``: by
+        all ranks), ``seconds`` (wall time, shards merged) and ``items_per_s``.
+    """
+    import time
+    import pandas as pd
+    from tqdm.auto import tqdm
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if resume and out is None:
+        raise ValueError("resume=True needs out= (the shards to resume from)")
+    table = read_items(items)
+    readout = readout or Readout(model)
+    layers = check_layers(layers, readout.adapter.n_layers)  # fail before any item runs
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    _check_steps(readout, steps, estimator, False)
+    rank, world = distributed_rank()
+    parts = Path(str(out) + ".parts") if out is not None else None
+    if parts is not None:
+        if rank == 0:
+            parts.mkdir(parents=True, exist_ok=True)
+            if not resume:
+                for old in parts.glob("*.parquet"):
+                    old.unlink()
+        _barrier(world)
+    done = set()
+    if resume:
+        for kind in ("results", "errors"):
+            shards = _read_shards(parts, kind)
+            done |= set(shards["id"]) if shards is not None else set()
+    mine = table[(table["row"] % world == rank) & ~table["id"].isin(done)]
+
+    started = time.perf_counter()
+    kept, failed = [], []  # this rank's frames when out is None
+
+    def record(results, errors):
+        if parts is None:
+            kept.extend([results] if len(results) else []), failed.extend([errors] if len(errors) else [])
+            return
+        stem = f"rank{rank:04d}-{time.time_ns()}"
+        if len(errors):
+            _write_shard(errors.assign(shard=stem), parts / f"{stem}.errors.parquet")
+        if len(results):
+            _write_shard(results.assign(shard=stem), parts / f"{stem}.results.parquet")
+
+    # 1. tokenise; rows that cannot run are errors at once
+    sequences, errors = {}, []  # row -> (prompt ids, answer ids or None)
+    for item in mine.itertuples():
+        try:
+            if not item.prompt.strip():
+                raise ValueError(f"prompt must be a non-empty string, got {item.prompt!r}")
+            if item.answer is None:
+                prompt = _prompt_ids(tokenizer, item.prompt, chat)
+                _check_sequence(model, torch.tensor(prompt + prompt[-1:]), len(prompt))
+                sequences[item.row] = (prompt, None)
+            else:
+                ids, prompt_len = encode(tokenizer, item.prompt, item.answer, chat=chat)
+                _check_sequence(model, ids, prompt_len)
+                sequences[item.row] = (ids[0, :prompt_len].tolist(), ids[0, prompt_len:].tolist())
+        except ValueError as err:
+            errors.append(dict(row=item.row, id=item.id, error=str(err)))
+    record(pd.DataFrame(columns=_RESULT_COLUMNS[:-1]), pd.DataFrame(errors, columns=["row", "id", "error"]))
+    n_failed = len(errors)
+
+    # 2. batches of similar length: greedy answers, one forward pass, one readout pass
+    ids_of = dict(zip(table["row"], table["id"]))
+    order = sorted(sequences, key=lambda r: len(sequences[r][0]) + len(sequences[r][1] or ()))
+    bar = tqdm(total=len(mine), desc="IG-Lens dataset", leave=False,
+               **({} if progress else dict(disable=True)))  # TQDM_DISABLE applies otherwise
+    bar.update(n_failed)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        greedy = [r for r in rows if sequences[r][1] is None]
+        answers = greedy_answers(model, tokenizer, [sequences[r][0] for r in greedy],
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size)
+        full = {r: sequences[r] for r in rows}
+        full.update({r: (sequences[r][0], answer) for r, answer in zip(greedy, answers)})
+        batch_errors = [dict(row=r, id=ids_of[r], error="the model's greedy answer is empty "
+                             "(it stopped at once)") for r in greedy if not full[r][1]]
+        runnable = [r for r in rows if full[r][1]]
+        traces = collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
+                                       for r in runnable], batch_size=batch_size)
+        attributions = ig_lens_batch(model, traces, layers=layers, baseline=baseline, steps=steps,
+                                     estimator=estimator, readout=readout)
+        frames = [_item_frame(a, tokenizer, r, ids_of[r]) for r, a in zip(runnable, attributions)]
+        record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_RESULT_COLUMNS[:-1]),
+               pd.DataFrame(batch_errors, columns=["row", "id", "error"]))
+        n_failed += len(batch_errors)
+        bar.update(len(rows))
+    bar.close()
+    items_run = len(mine)
+
+    if parts is not None:
+        _barrier(world)
+        if rank == 0:  # after the barrier: the whole run's items over the whole run's time
+            items_run = int((~table["id"].isin(done)).sum())
+        if rank == 0:
+            results, errors = _merge_shards(parts, Path(out))
+        else:  # this rank's own shards
+            results, errors = _tables(*(_read_shards(parts, kind, f"rank{rank:04d}-")
+                                        for kind in ("results", "errors")))
+    else:
+        results, errors = _tables(pd.concat(kept, ignore_index=True) if kept else None,
+                                  pd.concat(failed, ignore_index=True) if failed else None)
+    seconds = time.perf_counter() - started
+    results.attrs.update(items_run=items_run, seconds=seconds,
+                         items_per_s=items_run / seconds if seconds > 0 else float("nan"))
+    return results, errors
+
+
+# ---------------------------------------------------------------------------
+# 7. Plotting and figures
 # ---------------------------------------------------------------------------
 
 def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = None) -> Path:
@@ -1234,6 +1698,8 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
     values = attribution.values.numpy()
     lens = attribution.lens.numpy()
     T, K = values.shape
+    if len(tokens) != T:
+        raise ValueError(f"tokens must hold one label per target token ({T}), got {len(tokens)}")
     bound = max(float(np.abs(values).max()), 1e-9)
     fig, (ax, ax_lens) = plt.subplots(1, 2, figsize=figsize, width_ratios=[3, 2],
                                       constrained_layout=True)
@@ -1260,7 +1726,7 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
 
 
 # ---------------------------------------------------------------------------
-# 7. Command line
+# 8. Command line
 # ---------------------------------------------------------------------------
 
 def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: int = 30) -> str:
@@ -1285,7 +1751,7 @@ def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: i
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         description="IG-Lens: exact additive attribution of the answer probability to layers.")
-    parser.add_argument("prompt", help="the question or text")
+    parser.add_argument("prompt", nargs="?", help="the question or text (or use --dataset)")
     parser.add_argument("--answer", default=None, help="teacher-forced answer (default: greedy)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, local dir or HF id")
     parser.add_argument("--layers", default=None,
@@ -1295,8 +1761,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--baseline", default="embedding", choices=BASELINES)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--dataset", default=None,
+                        help="CSV with a prompt column (optional answer, id): attribute every row")
+    parser.add_argument("--out", default=None, help="with --dataset: the results .parquet file")
+    parser.add_argument("--batch-size", type=int, default=16, help="with --dataset: items per batch")
+    parser.add_argument("--resume", action="store_true", help="with --dataset: skip ids in OUT.parts/")
     args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.dataset is None):
+        parser.error("give exactly one of a prompt or --dataset FILE.csv")
     torch.set_grad_enabled(False)
+    if args.dataset is not None:
+        return _main_dataset(args)
     try:
         model, tokenizer = load_model(args.model)
         layers = [int(x) for x in args.layers.split(",")] if args.layers else None
@@ -1311,6 +1786,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tokens = trace.tokens(tokenizer)
     print(f"model: {args.model}   answer: {tokenizer.decode(trace.targets)!r}")
     print(format_table(attribution, tokens))
+    return 0
+
+
+def _main_dataset(args) -> int:
+    """``--dataset``: :func:`attribute_dataset` and a one-line summary (rank 0 prints it)."""
+    device = None
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # one GPU per process
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    try:
+        model, tokenizer = load_model(args.model, device=device)
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+        results, errors = attribute_dataset(
+            model, tokenizer, args.dataset, layers=layers, steps=args.steps,
+            estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
+            batch_size=args.batch_size, out=args.out, resume=args.resume,
+            max_new_tokens=args.max_new_tokens)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        stats = results.attrs
+        worst = float(results["residual"].max()) if len(results) else float("nan")
+        print(f"{results['id'].nunique()} items done, {len(errors)} failed, worst residual "
+              f"{worst:.1e}, {stats['items_per_s']:.2f} items/s ({stats['items_run']} run in "
+              f"{stats['seconds']:.1f} s)" + (f"; results in {args.out}" if args.out else ""))
     return 0
 
 
