@@ -829,7 +829,11 @@ class Readout:
         head = self.adapter.head
         if not isinstance(head, nn.Linear):
             return torch.func.jvp(self.logits, (rows,), (dirs,))
-        normed, normed_tangent = torch.func.jvp(self.adapter.norm, (rows,), (dirs,))
+        if getattr(self.adapter.norm, "_hf_hook", None) is None:
+            normed, normed_tangent = torch.func.jvp(self.adapter.norm, (rows,), (dirs,))
+        else:  # accelerate's hooks (device_map, offloading) do not run under torch.func
+            with torch.enable_grad():
+                normed, normed_tangent = torch.autograd.functional.jvp(self.adapter.norm, rows, dirs)
         # through the head module, so that accelerate's hooks bring offloaded weights in; a zero
         # row gives its bias, which the tangent must not carry
         extra = [torch.zeros_like(normed[:1])] if head.bias is not None else []

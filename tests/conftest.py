@@ -19,9 +19,9 @@ def _randomise_norms(model, seed):
     return model
 
 
-def tiny_model(arch: str, seed: int = 0, dtype=torch.float32):
+def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, vocab_size: int = 97):
     torch.manual_seed(seed)
-    common = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=64)
     if arch == "llama":
         config = transformers.LlamaConfig(num_key_value_heads=2, **common)
@@ -36,7 +36,7 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32):
                                                final_logit_softcapping=3.0,
                                                sliding_window=8, **common)
     elif arch == "gpt2":
-        config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4,
+        config = transformers.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=3, n_head=4,
                                          n_positions=64)
     elif arch == "neox":
         config = transformers.GPTNeoXConfig(use_parallel_residual=True, **common)

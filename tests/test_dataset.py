@@ -1,0 +1,170 @@
+"""attribute_dataset: batched == per item, bad rows, resume after a kill, 2 ranks == 1, offloading."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import transformers
+
+import iglens_core as ig
+from conftest import random_trace, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 49152  # the packaged SmolLM2 tokenizer's
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(ig.resolve_model_path(ig.DEFAULT_MODEL))
+
+
+def _facts(n=6):
+    facts = pd.read_csv(ROOT / "data" / "facts.csv").sample(n, random_state=1)[["id", "prompt", "answer"]]
+    facts.iloc[1, 2] = None  # one greedy answer
+    return facts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama with the packaged tokenizer, saved as a model directory."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", seed=4, vocab_size=VOCAB).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch,estimator,baseline", [("llama", "prediction_aware", "embedding"),
+                                                     ("gpt2", "riemann_mid", "mean"),
+                                                     ("gemma3", "prediction_aware", "zero")])
+def test_batched_equals_per_item(tokenizer, arch, estimator, baseline):
+    model = tiny_model(arch, seed=5, vocab_size=VOCAB)
+    facts = _facts()
+    results, errors = ig.attribute_dataset(model, tokenizer, facts, layers=[2], steps=4,
+                                           estimator=estimator, baseline=baseline, batch_size=4,
+                                           max_new_tokens=5, progress=False)
+    assert errors.empty and list(results["id"].unique()) == list(facts["id"])
+    for item in facts.itertuples():
+        answer = item.answer if isinstance(item.answer, str) else None
+        ids, prompt_len = ig.encode(tokenizer, item.prompt, answer, model=model, max_new_tokens=5)
+        want = ig.ig_lens(model, ig.collect(model, ids, prompt_len), layers=[2], steps=4,
+                          estimator=estimator, baseline=baseline)
+        got = results[results["id"] == item.id]
+        assert list(got["token_index"].unique()) == list(range(len(want.targets)))
+        assert got["token"].tolist()[::2] == [tokenizer.decode([t]) for t in want.targets.tolist()]
+        torch.testing.assert_close(torch.tensor(got["value"].to_numpy()).view(-1, 2), want.values.double(),
+                                   atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(got["lens_end"].to_numpy()).view(-1, 2),
+                                   want.lens[:, 1:].double(), atol=2e-6, rtol=1e-5)
+        with torch.no_grad():  # the model's own probabilities, independently
+            own = torch.softmax(model(ids).logits[0, prompt_len - 1:-1].double(), -1)
+        own = own.gather(-1, ids[0, prompt_len:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got["p_final"].to_numpy()[::2]), own, atol=2e-6, rtol=1e-5)
+        assert (got["onset"].to_numpy()[::2] == want.onset().numpy()).all()
+        assert abs(got["residual"].iloc[0] - want.residual) < 1e-6
+
+
+def _csv(tmp_path, facts=None):
+    facts = _facts(5) if facts is None else facts
+    bad = pd.DataFrame(dict(id=["empty", "long", "blank_answer"],
+                            prompt=["", "word " * 80, "Hello?"], answer=["x", "y", "   "]))
+    path = tmp_path / "items.csv"
+    pd.concat([facts.iloc[:2], bad, facts.iloc[2:]]).to_csv(path, index=False)
+    return path
+
+
+def _run(model_dir, csv, out, *more):
+    return ig.main(["--dataset", str(csv), "--out", str(out), "--model", str(model_dir), "--steps", "4",
+                    "--layers", "1,2", "--batch-size", "2", "--max-new-tokens", "4", *more])
+
+
+def test_cli_bad_rows_and_resume_after_kill(tmp_path, model_dir, monkeypatch, capsys):
+    csv = _csv(tmp_path)
+    assert _run(model_dir, csv, tmp_path / "whole.parquet") == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("5 items done, 3 failed, worst residual")
+    whole = pd.read_parquet(tmp_path / "whole.parquet")
+    errors = pd.read_parquet(tmp_path / "whole.errors.parquet").set_index("id")["error"]
+    assert "prompt must be a non-empty string" in errors["empty"]
+    assert "longer than the model's context of 64" in errors["long"]
+    assert "answer must be a non-empty string" in errors["blank_answer"]
+    assert whole["id"].nunique() == 5 and not whole.duplicated(["id", "token_index", "segment"]).any()
+    assert whole["residual"].max() < 1e-6
+
+    written = []
+    real = ig._write_shard
+
+    def dies_in_the_second_shard(frame, path):
+        if path.name.endswith(".results.parquet"):
+            if written:
+                path.with_name(f".{path.name}.tmp").write_bytes(b"half a shard")  # killed mid-write
+                raise KeyboardInterrupt("killed")
+            written.append(path)
+        real(frame, path)
+
+    monkeypatch.setattr(ig, "_write_shard", dies_in_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        _run(model_dir, csv, tmp_path / "killed.parquet")
+    monkeypatch.setattr(ig, "_write_shard", real)
+    parts = tmp_path / "killed.parquet.parts"
+    done = pd.read_parquet(next(parts.glob("*.results.parquet")))["id"].unique()
+    assert len(done) == 2 and not (tmp_path / "killed.parquet").exists()
+    capsys.readouterr()
+    assert _run(model_dir, csv, tmp_path / "killed.parquet", "--resume") == 0
+    assert "5 items done, 3 failed" in capsys.readouterr().out
+    resumed = pd.read_parquet(tmp_path / "killed.parquet")
+    pd.testing.assert_frame_equal(resumed, whole, atol=1e-6, rtol=1e-5)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "killed.errors.parquet"),
+                                  pd.read_parquet(tmp_path / "whole.errors.parquet"))
+
+
+def test_two_processes_equal_one(tmp_path, model_dir):
+    """torchrun, 2 CPU processes (gloo): rank 0 merges; the same rows as one process."""
+    csv = _csv(tmp_path, _facts(7))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    args = ["--dataset", str(csv), "--model", str(model_dir), "--steps", "4", "--batch-size", "2",
+            "--max-new-tokens", "4"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "iglens_core.py"),
+                           *args, "--out", str(tmp_path / "two.parquet")], env=env, capture_output=True,
+                          text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "7 items done, 3 failed" in done.stdout
+    assert len(list((tmp_path / "two.parquet.parts").glob("rank0001-*"))) > 0  # rank 1 wrote its own
+    assert ig.main([*args, "--out", str(tmp_path / "one.parquet")]) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "two.parquet"),
+                                  pd.read_parquet(tmp_path / "one.parquet"), atol=1e-6, rtol=1e-5)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "two.errors.parquet"),
+                                  pd.read_parquet(tmp_path / "one.errors.parquet"))
+
+
+@pytest.mark.parametrize("arch,device_map", [
+    ("llama", {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.rotary_emb": "cpu",
+               "model.norm": "disk", "lm_head": "disk"}),
+    ("gpt2", {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
+              "transformer.h": "cpu", "transformer.ln_f": "disk", "lm_head": "cpu"})])
+def test_readout_with_offloaded_norm_and_head(tmp_path, tokenizer, arch, device_map):
+    """accelerate keeps offloaded weights on 'meta' between calls: the readout must go through
+    the hooked modules (LayerNorm bias of GPT-2, the head of Llama on disk)."""
+    model = tiny_model(arch, seed=6)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    offloaded, _ = ig.load_model(str(tmp_path / "model"), device_map=device_map,
+                                 offload_folder=str(tmp_path / "offload"))
+    weights = offloaded.lm_head.weight if arch == "llama" else offloaded.transformer.ln_f.bias
+    assert weights.device.type == "meta"
+    wanted = {}
+    for estimator, profile in [("riemann_mid", False), ("prediction_aware", True)]:
+        want = ig.ig_lens(model, random_trace(model, seed=1), estimator=estimator, steps=4, profile=profile)
+        got = ig.ig_lens(offloaded, random_trace(offloaded, seed=1), estimator=estimator, steps=4,
+                         profile=profile)
+        torch.testing.assert_close(got.values, want.values, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.lens, want.lens, atol=1e-6, rtol=0)
+        wanted[estimator] = want
+    direct = ig.Readout(offloaded)
+    direct.norm_kind = None  # every point on its own: forward-mode through the hooked norm
+    got = ig.ig_lens(offloaded, random_trace(offloaded, seed=1), estimator="riemann_mid", steps=4,
+                     readout=direct)
+    torch.testing.assert_close(got.values, wanted["riemann_mid"].values, atol=1e-5, rtol=0)
