@@ -81,3 +81,81 @@ def test_unavailable_model_is_a_clear_error(monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"'no-such/model-xyz' is not available offline"):
         ig.load_model("no-such/model-xyz")
 
+
+
+def test_token_ids_outside_the_vocabulary_and_float_ids():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"token ids must lie in 0\.\.96.*\[97\]"):
+        ig.collect(model, torch.tensor([[1, 2, 97, 3]]), 2)
+    with pytest.raises(ValueError, match=r"0\.\.96.*\[-1\]"):
+        ig.collect_batch(model, [(torch.tensor([1, -1, 3]), 1)])
+    with pytest.raises(ValueError, match=r"integer token ids, got dtype torch.float32"):
+        ig.collect(model, torch.tensor([[1.0, 2.0, 3.0]]), 1)
+
+
+def test_trace_from_another_model(setup):
+    model, trace = setup
+    other = tiny_model("gpt2")  # 3 blocks as well, but another model: check by layers and width
+    deeper = ig.collect(tiny_model("llama"), torch.randint(0, 97, (1, 6)), 3)
+    deeper.hidden = torch.cat([deeper.hidden, deeper.hidden[-1:]])  # 4 blocks' worth
+    with pytest.raises(ValueError, match=r"hidden of shape \(5, 3, 32\) but the model has 3 blocks"):
+        ig.ig_lens(other, deeper)
+    narrow = ig.Trace(trace.input_ids, trace.prompt_len, trace.targets, trace.positions,
+                      trace.hidden[..., :16], trace.model_probs)
+    with pytest.raises(ValueError, match=r"hidden size 32"):
+        ig.ig_lens(model, narrow)
+    bad_targets = ig.Trace(trace.input_ids, trace.prompt_len, trace.targets + 97, trace.positions,
+                           trace.hidden, trace.model_probs)
+    with pytest.raises(ValueError, match=r"targets must lie in 0\.\.96"):
+        ig.ig_lens(model, bad_targets)
+
+
+@pytest.mark.parametrize("estimator,profile", [("riemann_mid", False), ("gauss_legendre", False),
+                                               ("prediction_aware", True)])
+def test_steps_too_large_for_the_memory_budget(setup, estimator, profile):
+    model, trace = setup
+    readout = ig.Readout(model, memory_budget=97 * 16 * 100)  # 100 grid rows
+    with pytest.raises(ValueError, match=r"steps=1000000000 .* steps must lie in 1\.\.100"):
+        ig.ig_lens(model, trace, steps=10**9, estimator=estimator, profile=profile, readout=readout)
+    ig.ig_lens(model, trace, steps=100, estimator=estimator, profile=profile, readout=readout)  # fits
+    ig.ig_lens(model, trace, steps=10**9, readout=readout)  # the exact map reads only the nodes
+
+
+def test_empty_model_name():
+    for name in ("", "  "):
+        with pytest.raises(ValueError, match=r"model name must be a packaged name .* got"):
+            ig.load_model(name)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_baseline(setup, bad):
+    baseline = torch.zeros(32)
+    baseline[3] = bad
+    with pytest.raises(ValueError, match=r"baseline tensor must be finite, got 1 NaN or inf"):
+        ig.ig_lens(*setup, baseline=baseline)
+
+
+@pytest.mark.parametrize("layers", [["5"], [1.0, 2.0], "12", [True]])
+def test_layers_must_be_integers(setup, layers):
+    with pytest.raises(ValueError, match=r"layers must be .*integers in 1\.\.3, got"):
+        ig.ig_lens(*setup, layers=layers)
+
+
+def test_heatmap_token_count(setup):
+    import matplotlib
+    matplotlib.use("Agg")
+    attribution = ig.ig_lens(*setup)
+    with pytest.raises(ValueError, match=r"one label per target token \(7\), got 2"):
+        ig.plot_heatmap(attribution, ["a", "b"])
+
+
+def test_bad_dataset(tmp_path, setup):
+    model, _ = setup
+    with pytest.raises(ValueError, match=r"needs a 'prompt' column, got columns \['question'\]"):
+        ig.attribute_dataset(model, None, {"question": ["Hi?"]})
+    with pytest.raises(ValueError, match=r"ids must be unique, these repeat: \['a'\]"):
+        ig.attribute_dataset(model, None, {"id": ["a", "a"], "prompt": ["x", "y"]})
+    with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1, got 0"):
+        ig.attribute_dataset(model, None, {"prompt": ["x"]}, batch_size=0)
+    with pytest.raises(ValueError, match=r"resume=True needs out="):
+        ig.attribute_dataset(model, None, {"prompt": ["x"]}, resume=True)
