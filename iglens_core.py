@@ -1624,6 +1624,12 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     n_failed = len(errors)
 
     # 2. batches of similar length: greedy answers, one forward pass, one readout pass
+    def attribute(rows, full):
+        traces = collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
+                                       for r in rows], batch_size=batch_size)
+        return ig_lens_batch(model, traces, layers=layers, baseline=baseline, steps=steps,
+                             estimator=estimator, readout=readout)
+
     ids_of = dict(zip(table["row"], table["id"]))
     order = sorted(sequences, key=lambda r: len(sequences[r][0]) + len(sequences[r][1] or ()))
     bar = tqdm(total=len(mine), desc="IG-Lens dataset", leave=False,
@@ -1639,10 +1645,16 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         batch_errors = [dict(row=r, id=ids_of[r], error="the model's greedy answer is empty "
                              "(it stopped at once)") for r in greedy if not full[r][1]]
         runnable = [r for r in rows if full[r][1]]
-        traces = collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
-                                       for r in runnable], batch_size=batch_size)
-        attributions = ig_lens_batch(model, traces, layers=layers, baseline=baseline, steps=steps,
-                                     estimator=estimator, readout=readout)
+        try:
+            attributions = attribute(runnable, full)
+        except ValueError:  # e.g. NaN hidden states of one item: isolate it, run the others
+            attributions = []
+            for r in runnable:
+                try:
+                    attributions += attribute([r], full)
+                except ValueError as err:
+                    batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
+            runnable = [r for r in runnable if r not in {e["row"] for e in batch_errors}]
         frames = [_item_frame(a, tokenizer, r, ids_of[r]) for r, a in zip(runnable, attributions)]
         record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_RESULT_COLUMNS[:-1]),
                pd.DataFrame(batch_errors, columns=["row", "id", "error"]))
@@ -1809,6 +1821,9 @@ def _main_dataset(args) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         stats = results.attrs
         worst = float(results["residual"].max()) if len(results) else float("nan")

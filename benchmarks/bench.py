@@ -20,6 +20,10 @@ Items, in the order of the issue:
 6. peak extra memory of a Llama-3.2-1B-sized readout against the configured memory budget;
 7. model load: cached reload against GGUF conversion;
 8. scaling of the profile with tokens, segments and ``m`` (the plot);
+10. dataset attribution (``ig.attribute_dataset``) of ``--facts`` facts of ``data/facts.csv``,
+    teacher-forced, against the plain per-item loop (encode + collect + ig_lens), against its
+    floor (block FLOPs over every position + the head over the T(n+1) path nodes at the plain
+    matmul rate), its peak memory at two dataset sizes, and 2 processes (torchrun) against 1;
 
 and the levers measured for the readout (node products, chunk rows, log-softmax vs logsumexp,
 the tangent's product, inference mode).
@@ -30,6 +34,7 @@ Usage::
     python benchmarks/bench.py --full          # item 6 at 64 tokens, longer scaling sweeps
     python benchmarks/bench.py --device cuda --dtype bfloat16 --tf32
     python benchmarks/bench.py --only 1,2      # some items only
+    python benchmarks/bench.py --only 10       # dataset attribution alone
 """
 
 from __future__ import annotations
@@ -177,7 +182,8 @@ def in_child(ctx, item: int, measure: Callable[[], object]):
         return result
     command = [sys.executable, str(Path(__file__).resolve()), "--only", str(item), "--memory-child",
                "--device", args.device, "--dtype", args.dtype, "--model", args.model,
-               "--grad-steps", str(args.grad_steps), "--memory-tokens", str(args.memory_tokens)]
+               "--grad-steps", str(args.grad_steps), "--memory-tokens", str(args.memory_tokens),
+               "--facts", str(args.facts)]
     command += ["--full"] if args.full else []
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -724,8 +730,117 @@ def levers(ctx) -> None:
         None)
 
 
+def _facts(count: int):
+    import pandas as pd
+    facts = pd.read_csv(ROOT / "data" / "facts.csv")[["id", "prompt", "answer"]]
+    if not 1 <= count <= len(facts):
+        raise ValueError(f"--facts must lie in 1..{len(facts)}, got {count}")
+    return facts.iloc[:count]
+
+
+def _dataset_floor_flops(model, tokenizer, facts) -> tuple[float, float, int]:
+    """(block FLOPs over every position, head FLOPs over the T(n+1) path nodes, tokens).
+
+    Blocks: 2 x (block parameters) per token, plus the attention scores and their product with
+    the values (4 L^2 x attention width per block and sequence). Head: 2 d V per path node."""
+    adapter = ig.get_adapter(model)
+    params = sum(p.numel() for p in adapter.blocks.parameters() if p.dim() == 2)
+    config = getattr(model.config, "text_config", None) or model.config
+    width = config.num_attention_heads * (getattr(config, "head_dim", None)
+                                          or config.hidden_size // config.num_attention_heads)
+    n, blocks, head, tokens = adapter.n_layers, 0.0, 0.0, 0
+    d, V = adapter.head.weight.shape[1], adapter.head.weight.shape[0]
+    for item in facts.itertuples():
+        ids, prompt_len = ig.encode(tokenizer, item.prompt, item.answer)
+        L, T = ids.shape[1], ids.shape[1] - prompt_len
+        blocks += 2 * params * L + 4 * L * L * width * n
+        head += 2 * d * V * T * (n + 1)
+        tokens += L
+    return blocks, head, tokens
+
+
+def item10_dataset(ctx) -> None:
+    model, tokenizer, args = ctx.model, ctx.tokenizer, ctx.args
+    facts = _facts(args.facts)
+    count = len(facts)
+
+    def plain_loop():  # what a new user writes
+        for item in facts.itertuples():
+            ids, prompt_len = ig.encode(tokenizer, item.prompt, item.answer)
+            ig.ig_lens(model, ig.collect(model, ids, prompt_len))
+
+    def dataset(items=facts):
+        return ig.attribute_dataset(model, tokenizer, items, batch_size=args.batch_size, progress=False)
+
+    def measure():  # peak extra memory at half and all of the facts (child process on a CPU)
+        dataset(facts.iloc[:4])  # warm-up
+        peaks = []
+        for size in (count // 2, count):
+            with PeakMemory(ctx.device) as peak:
+                dataset(facts.iloc[:size])
+            peaks.append(dict(size=size, peak=peak.peak))
+        return peaks
+
+    peaks = in_child(ctx, 10, measure)
+    if args.memory_child:
+        return
+    readout = ig.Readout(model)
+    matmul = matmul_reference(readout, 1024, ctx.device)
+    rounds = max(1, args.repeats - 2)  # each function takes tens of seconds on a CPU
+    dataset(facts.iloc[:4])  # warm-up on a few facts: a full warm-up round would double the time
+    best = best_of({"dataset": dataset, "loop": plain_loop, "matmul": matmul}, rounds, ctx.device,
+                   warmup=False)
+    best["matmul"] = min(best["matmul"], best_of({"matmul": matmul}, 5, ctx.device)["matmul"])
+    rate = 2 * 1024 * readout.hidden_size * readout.vocab_size / best["matmul"]
+    blocks, head, tokens = _dataset_floor_flops(model, tokenizer, facts)
+    floor = (blocks + head) / rate
+    results, _ = dataset()
+    worst = float(results["residual"].max())
+    ratio = best["loop"] / best["dataset"]
+    add(f"10. dataset attribution, {count} facts teacher-forced (batch {args.batch_size}; worst "
+        f"residual {worst:.0e}) vs the plain per-item loop (encode + collect + ig_lens)",
+        f"{count / best['dataset']:.2f} items/s", f"{count / best['loop']:.2f} items/s",
+        f"{ratio:.2f}x faster", ">= 2x", ratio >= 2)
+    add(f"10. dataset attribution vs its floor: {(blocks + head) / 1e12:.2f} TFLOP (blocks over "
+        f"{tokens} positions {blocks / 1e12:.2f}, head over the path nodes {head / 1e12:.2f}) at the "
+        f"plain matmul rate {rate / 1e9:.1f} GFLOP/s", fmt_time(best["dataset"]), fmt_time(floor),
+        f"{best['dataset'] / floor:.2f}x the floor", "<= 1.3x", best["dataset"] / floor <= 1.3)
+    for run in peaks:
+        add(f"10. dataset attribution, peak extra memory at {run['size']} facts",
+            fmt_bytes(run["peak"]), f"budget {fmt_bytes(readout.memory_budget)}",
+            f"{run['peak'] / readout.memory_budget:.2f} of the budget", "<= 1",
+            run["peak"] <= readout.memory_budget)
+    _dataset_processes(ctx, facts)
+
+
+def _dataset_processes(ctx, facts) -> None:
+    """The CLI under torchrun with 2 processes (half the threads each) against 1 process."""
+    args = ctx.args
+    threads = max(2, torch.get_num_threads())  # total threads; 2 processes get half each
+    with tempfile.TemporaryDirectory() as tmp:
+        csv = Path(tmp) / "facts.csv"
+        facts.to_csv(csv, index=False)
+        cli = [str(ROOT / "iglens_core.py"), "--dataset", str(csv), "--model", args.model,
+               "--batch-size", str(args.batch_size)]
+        torchrun = Path(sys.executable).with_name("torchrun")
+        runs = {1: ([sys.executable] + cli, threads),
+                2: ([str(torchrun), "--standalone", "--nproc_per_node", "2"] + cli, max(1, threads // 2))}
+        speed = {}
+        for procs, (command, each) in runs.items():
+            env = dict(os.environ, OMP_NUM_THREADS=str(each), TQDM_DISABLE="1")
+            done = subprocess.run(command + ["--out", str(Path(tmp) / f"{procs}.parquet")], env=env,
+                                  capture_output=True, text=True, check=True)
+            summary = done.stdout.strip().splitlines()[-1]  # "... X items/s (...)"
+            speed[procs] = float(summary.split(" items/s")[0].split()[-1])
+    add(f"10. dataset attribution, 2 processes (torchrun, {max(1, threads // 2)} thread(s) each) vs 1 "
+        f"process ({threads} thread(s)), items/s from the CLI summary; on {os.cpu_count()} cores "
+        "both use the same cores, so about 1x is expected", f"{speed[2]:.2f} items/s",
+        f"{speed[1]:.2f} items/s", f"{speed[2] / speed[1]:.2f}x", "report (~1x here)", None)
+
+
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
-         5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers}
+         5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers,
+         10: item10_dataset}
 
 
 def main(argv=None) -> int:
@@ -740,6 +855,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-tokens", type=int, default=2,
                         help="tokens of item 6 (and 4x that at 256 MiB; --full: 64)")
     parser.add_argument("--full", action="store_true", help="item 6 at 64 tokens, longer sweeps")
+    parser.add_argument("--facts", type=int, default=96, help="facts of item 10 (data/facts.csv)")
+    parser.add_argument("--batch-size", type=int, default=16, help="items per batch of item 10")
     parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -168,3 +168,22 @@ def test_readout_with_offloaded_norm_and_head(tmp_path, tokenizer, arch, device_
     got = ig.ig_lens(offloaded, random_trace(offloaded, seed=1), estimator="riemann_mid", steps=4,
                      readout=direct)
     torch.testing.assert_close(got.values, wanted["riemann_mid"].values, atol=1e-5, rtol=0)
+
+
+def test_an_item_failing_inside_a_batch_is_isolated(tokenizer, monkeypatch):
+    """A ValueError inside a batch (e.g. NaN hidden states) costs only the item that raised it."""
+    model = tiny_model("llama", seed=7, vocab_size=VOCAB)
+    facts = _facts(5).dropna()
+    clean, _ = ig.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
+    poisoned = ig.encode(tokenizer, facts["prompt"].iloc[1], facts["answer"].iloc[1])[0][0]
+    real = ig.collect_batch
+
+    def collect_batch(model, sequences, **kwargs):
+        if any(torch.equal(torch.as_tensor(ids).flatten(), poisoned) for ids, _ in sequences):
+            raise ValueError("the hidden states contain NaN or inf (poisoned)")
+        return real(model, sequences, **kwargs)
+
+    monkeypatch.setattr(ig, "collect_batch", collect_batch)
+    results, errors = ig.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
+    assert errors["id"].tolist() == [facts["id"].iloc[1]] and "poisoned" in errors["error"].iloc[0]
+    pd.testing.assert_frame_equal(results, clean[clean["id"] != facts["id"].iloc[1]].reset_index(drop=True))
