@@ -824,11 +824,13 @@ def _dataset_processes(ctx, facts) -> None:
                "--batch-size", str(args.batch_size)]
         torchrun = Path(sys.executable).with_name("torchrun")
         runs = {1: ([sys.executable] + cli, threads),
-                2: ([str(torchrun), "--standalone", "--nproc_per_node", "2"] + cli, max(1, threads // 2))}
+                2: ([str(torchrun), "--standalone", "--nproc_per_node", "2"] + cli, max(1, threads // 2)),
+                "1 thin": ([sys.executable] + cli, max(1, threads // 2))}
         speed = {}
         for procs, (command, each) in runs.items():
             env = dict(os.environ, OMP_NUM_THREADS=str(each), TQDM_DISABLE="1")
-            done = subprocess.run(command + ["--out", str(Path(tmp) / f"{procs}.parquet")], env=env,
+            out = Path(tmp) / f"{str(procs).replace(' ', '_')}.parquet"
+            done = subprocess.run(command + ["--out", str(out)], env=env,
                                   capture_output=True, text=True, check=True)
             summary = done.stdout.strip().splitlines()[-1]  # "... X items/s (...)"
             speed[procs] = float(summary.split(" items/s")[0].split()[-1])
@@ -836,6 +838,9 @@ def _dataset_processes(ctx, facts) -> None:
         f"process ({threads} thread(s)), items/s from the CLI summary; on {os.cpu_count()} cores "
         "both use the same cores, so about 1x is expected", f"{speed[2]:.2f} items/s",
         f"{speed[1]:.2f} items/s", f"{speed[2] / speed[1]:.2f}x", "report (~1x here)", None)
+    add(f"10. dataset attribution, 2 processes vs 1 process, {max(1, threads // 2)} thread(s) each "
+        "(twice the cores)", f"{speed[2]:.2f} items/s", f"{speed['1 thin']:.2f} items/s",
+        f"{speed[2] / speed['1 thin']:.2f}x", "report (<= 2x)", None)
 
 
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
