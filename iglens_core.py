@@ -36,7 +36,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -1218,13 +1218,25 @@ def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = N
     return path
 
 
+def _tick_indices(count: int, max_ticks: int = 16) -> list[int]:
+    """About ``max_ticks`` evenly spaced indices of ``count`` columns, the last one always among them."""
+    step = max(1, math.ceil(count / max_ticks))
+    ticks = list(range(0, count, step))
+    if ticks[-1] != count - 1:
+        if count - 1 - ticks[-1] <= step / 2 and len(ticks) > 1:
+            ticks.pop()  # too close to the last column: its label would overlap
+        ticks.append(count - 1)
+    return ticks
+
+
 def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str = "",
                  figsize: tuple[float, float] = (13, 4.5)):
     """Token x layer heatmap of the attributions beside the logit-lens probability per layer.
 
-    Left: signed attributions (probability), diverging colours centred at zero, each row
-    annotated with its sum and Δp. Right: the logit lens ``f(h_L)`` per token, so the reader sees
-    the mass sit where the lens jumps.
+    Left: signed attributions (probability), diverging colours centred at zero, each row's sum
+    and Δp on the right of its row, the colour bar beside the panel. Right: the logit lens
+    ``f(h_L)`` per token, so the reader sees the mass sit where the lens jumps. The last segment
+    (layer n) is always labelled.
 
     Returns:
         The matplotlib figure.
@@ -1239,24 +1251,164 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
                                       constrained_layout=True)
     image = ax.imshow(values, aspect="auto", cmap="RdBu_r",
                       norm=TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound))
-    step = max(1, K // 15)
-    ax.set_xticks(range(0, K, step), [attribution.labels[j] for j in range(0, K, step)],
+    ticks = _tick_indices(K)
+    ax.set_xticks(ticks, [attribution.labels[j] for j in ticks],
                   rotation=90 if attribution.labels[0].count(".") else 0)
     ax.set_yticks(range(T), [repr(tok)[1:-1] for tok in tokens])
     ax.set_xlabel("segment end layer")
     ax.set_ylabel("target token")
-    for t in range(T):
-        ax.text(K - 0.4, t, f" Σ={values[t].sum():+.3f}  Δp={attribution.delta_p[t]:+.3f}",
-                va="center", ha="left", fontsize=8, clip_on=False)
-    fig.colorbar(image, ax=ax, label="attribution (Δ probability)", location="left", pad=0.12)
+    # row sums as right-hand tick labels: part of the axes' decorations, so the colour bar that
+    # constrained_layout places on the right sits beside them, not on top of them
+    sums = ax.secondary_yaxis("right")
+    sums.set_yticks(range(T), [f"Σ={values[t].sum():+.3f}  Δp={attribution.delta_p[t]:+.3f}"
+                               for t in range(T)], fontsize=8)
+    sums.tick_params(length=0)
+    fig.colorbar(image, ax=ax, label="attribution (Δ probability)", pad=0.01)
     ax.set_title(title or f"IG-Lens ({attribution.estimator}, m={attribution.steps})")
     lens_image = ax_lens.imshow(lens, aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax_lens.set_yticks([])
-    ax_lens.set_xticks(range(0, K + 1, max(1, (K + 1) // 8)))
+    ax_lens.set_xticks(_tick_indices(K + 1, 10))
     ax_lens.set_xlabel("path node (0 = baseline)")
     ax_lens.set_title("logit lens f(h_L)")
-    fig.colorbar(lens_image, ax=ax_lens, label="target probability")
+    fig.colorbar(lens_image, ax=ax_lens, label="target probability", pad=0.01)
     return fig
+
+
+def _html_path(path) -> Path:
+    """``path`` as a Path when it names an ``.html`` file in an existing folder; else ValueError."""
+    out = Path(path).expanduser()
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"path must name an .html file, got {str(path)!r}")
+    if not out.parent.is_dir():
+        raise ValueError(f"the folder {str(out.parent)!r} of path {str(path)!r} does not exist")
+    return out
+
+
+def _html_views(attribution: Attribution, sublayer: Optional[Attribution],
+                views: Optional[Mapping[str, object]]) -> list[tuple]:
+    """The views of :func:`to_html`: ``(name, values (T, K), labels (K,), lens (T, K+1) or None)``."""
+    T = attribution.values.shape[0]
+    extra = {"sublayer": sublayer} if sublayer is not None else {}
+    extra.update(views or {})
+    first = "sublayer" if any(".attn" in label for label in attribution.labels) else "layer"
+    out = [(first, attribution.values.numpy(), list(attribution.labels), attribution.lens.numpy())]
+    for name, view in extra.items():
+        if isinstance(view, Attribution):
+            if not torch.equal(view.targets, attribution.targets):
+                raise ValueError(f"view {name!r} attributes targets {view.targets.tolist()}, not "
+                                 f"those of the attribution {attribution.targets.tolist()}")
+            out.append((name, view.values.numpy(), list(view.labels), view.lens.numpy()))
+            continue
+        values, labels = view
+        values, labels = np.asarray(values, dtype=np.float64), [str(label) for label in labels]
+        if values.ndim != 2 or values.shape[0] != T or values.shape[1] != len(labels):
+            raise ValueError(f"view {name!r} must be (values (T, K), labels (K,)) with T = {T}, got "
+                             f"values {values.shape} and {len(labels)} labels")
+        out.append((name, values, labels, None))
+    return out
+
+
+def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
+            sublayer: Optional[Attribution] = None, views: Optional[Mapping[str, object]] = None,
+            title: str = "") -> Path:
+    """Write one self-contained interactive HTML view of an attribution (opens offline).
+
+    Plotly, with its JavaScript embedded in the file (about 4.7 MB): nothing loads from a network.
+    Left: token x segment heatmap, diverging colours centred at zero, the last segment always
+    labelled. Right: the logit lens ``f`` at every path node. Hovering a cell gives the token,
+    the segment, its value, the lens at both ends of the segment, the row sum and Δp (all in
+    probability). Buttons switch between the views: the attribution, ``sublayer`` and ``views``.
+
+    Args:
+        attribution: the first view (layer resolution, usually), T target tokens.
+        tokens: (T,) the target tokens as text, e.g. ``trace.tokens(tokenizer)``.
+        path: the ``.html`` file to write; its folder must exist.
+        sublayer: the same trace's ``ig_lens(..., resolution="sublayer")``.
+        views: further views by name, each an :class:`Attribution` of the same targets or
+            ``(values (T, K'), labels (K',))``, e.g. components of every block flattened to
+            columns; an array view has no lens of its own and shows the first view's lens.
+        title: the figure's title.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: a path that is not ``.html`` or whose folder is missing, ``tokens`` of the
+            wrong length, a view of other targets or shape.
+    """
+    import html
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    out = _html_path(path)
+    tokens = list(tokens)
+    T = attribution.values.shape[0]
+    if len(tokens) != T:
+        raise ValueError(f"tokens has {len(tokens)} entries, the attribution T = {T} target tokens")
+    panels = _html_views(attribution, sublayer, views)
+    delta_p = attribution.delta_p.tolist()
+    shown = [html.escape(repr(token)) for token in tokens]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], shared_yaxes=True,
+                        horizontal_spacing=0.11,
+                        subplot_titles=("attribution (Δ probability)", "logit lens f (probability)"))
+    heat_end, lens_end = fig.layout.xaxis.domain[1], fig.layout.xaxis2.domain[1]
+    traces, buttons = [], []
+    for name, values, labels, lens in panels:
+        K = len(labels)
+        sums = values.sum(-1)
+        ends = lens if lens is not None else np.full((T, K + 1), np.nan)
+        cells = [[[shown[t], labels[j], float(ends[t, j]), float(ends[t, j + 1]), float(sums[t]),
+                   delta_p[t]] for j in range(K)] for t in range(T)]
+        hover = ("token %{customdata[0]}<br>segment %{customdata[1]}<br>value %{z:+.4f}<br>"
+                 + ("lens %{customdata[2]:.4f} → %{customdata[3]:.4f}<br>" if lens is not None else "")
+                 + "row sum %{customdata[4]:+.4f}<br>Δp %{customdata[5]:+.4f}<extra>" + name + "</extra>")
+        bound = max(float(np.abs(values).max()), 1e-9)
+        traces.append((name, "heat", go.Heatmap(
+            z=values.tolist(), x=list(range(K)), y=list(range(T)), customdata=cells,
+            hovertemplate=hover, colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound,
+            zmax=bound, name=name,
+            colorbar=dict(x=heat_end + 0.005, xanchor="left", thickness=14, tickformat=".2~g",
+                          title=dict(text="Δ probability", side="right")))))
+        if lens is not None:
+            nodes = ["baseline"] + labels
+            traces.append((name, "lens", go.Heatmap(
+                z=lens.tolist(), x=list(range(K + 1)), y=list(range(T)), zmin=0.0, zmax=1.0,
+                colorscale="Viridis", name=name,
+                customdata=[[[shown[t], nodes[j]] for j in range(K + 1)] for t in range(T)],
+                hovertemplate="token %{customdata[0]}<br>node %{customdata[1]}<br>"
+                              "f %{z:.4f}<extra>" + name + "</extra>",
+                colorbar=dict(x=lens_end + 0.005, xanchor="left", thickness=14,
+                              title=dict(text="target probability", side="right")))))
+    for index, (name, values, labels, lens) in enumerate(panels):
+        lens_of = name if lens is not None else panels[0][0]
+        visible = [(view == name and kind == "heat") or (view == lens_of and kind == "lens")
+                   for view, kind, _ in traces]
+        heat_ticks = _tick_indices(len(labels))
+        lens_labels = ["base"] + (labels if lens is not None else panels[0][2])
+        lens_ticks = _tick_indices(len(lens_labels), 10)
+        axes = {"xaxis.tickvals": heat_ticks, "xaxis.ticktext": [labels[j] for j in heat_ticks],
+                "xaxis2.tickvals": lens_ticks, "xaxis2.ticktext": [lens_labels[j] for j in lens_ticks]}
+        buttons.append(dict(label=name, method="update", args=[{"visible": visible}, axes]))
+        if index == 0:
+            first_visible, first_axes = visible, axes
+    for (name, kind, trace), visible in zip(traces, first_visible):
+        trace.visible = visible
+        fig.add_trace(trace, row=1, col=1 if kind == "heat" else 2)
+    fig.update_layout(
+        title=dict(text=title or (f"IG-Lens ({attribution.estimator}, m={attribution.steps}, "
+                                  f"baseline {attribution.baseline}): max |row sum - Δp| = "
+                                  f"{attribution.residual:.1e}"), y=0.99, yanchor="top"),
+        width=1300, height=240 + 28 * T, margin=dict(t=130),
+        updatemenus=[dict(type="buttons", direction="right", buttons=buttons, showactive=True,
+                          x=0.0, xanchor="left", y=1.0, yanchor="bottom", pad=dict(b=30))])
+    fig.update_layout({key.replace(".", "_"): value for key, value in first_axes.items()})
+    fig.update_xaxes(tickmode="array", title_text="segment", row=1, col=1)
+    fig.update_xaxes(tickmode="array", title_text="path node", row=1, col=2)
+    fig.update_yaxes(tickmode="array", tickvals=list(range(T)),
+                     ticktext=[html.escape(repr(token)[1:-1]) for token in tokens],
+                     autorange="reversed", row=1, col=1)
+    fig.write_html(out, include_plotlyjs=True, full_html=True, div_id="iglens",
+                   config={"displaylogo": False})
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -1295,22 +1447,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--baseline", default="embedding", choices=BASELINES)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--html", default=None, metavar="OUT.html",
+                        help="also write the interactive view (layer and sublayer) to this file")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     try:
+        html_path = _html_path(args.html) if args.html else None  # a bad path fails before the work
         model, tokenizer = load_model(args.model)
         layers = [int(x) for x in args.layers.split(",")] if args.layers else None
         input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
                                        chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
-        trace = collect(model, input_ids, prompt_len)
+        trace = collect(model, input_ids, prompt_len, sublayer=html_path is not None)
         attribution = ig_lens(model, trace, layers=layers, baseline=args.baseline,
                               steps=args.steps, estimator=args.estimator)
+        sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
+                            estimator=args.estimator, resolution="sublayer")
+                    if html_path is not None else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     tokens = trace.tokens(tokenizer)
     print(f"model: {args.model}   answer: {tokenizer.decode(trace.targets)!r}")
     print(format_table(attribution, tokens))
+    if html_path is not None:
+        print(f"interactive view: {to_html(attribution, tokens, html_path, sublayer=sublayer)}")
     return 0
 
 
