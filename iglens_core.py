@@ -275,34 +275,60 @@ def _first_attr(module: nn.Module, names: Sequence[str]):
     return None
 
 
-def get_adapter(model: nn.Module, *, norm: Optional[nn.Module] = None,
-                head: Optional[nn.Module] = None) -> Adapter:
-    """Find blocks, final norm and head of a Llama/Mistral/Qwen2/Gemma/GPT-2/GPT-NeoX model.
+def get_adapter(model: nn.Module, *, blocks: Optional[nn.ModuleList] = None,
+                norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None) -> Adapter:
+    """Find blocks, final norm and head of a Hugging Face causal LM (see the README's table).
+
+    Parts are found by attribute, not by class name: the blocks as a ``ModuleList`` at
+    ``.layers`` / ``.h`` / ``.blocks`` of ``model.base_model``, the final norm at ``.norm`` /
+    ``.ln_f`` / ``.final_layer_norm`` / ``.final_norm``, the head by ``get_output_embeddings()``.
 
     Args:
-        model: a Hugging Face ``*ForCausalLM``.
-        norm, head: pass these explicitly for an architecture that is not recognised.
+        model: a Hugging Face ``*ForCausalLM``, or any module whose parts are passed by hand.
+        blocks, norm, head: pass these for an architecture whose parts are not found. A part
+            given for a model on which it cannot be found is remembered on the model, so
+            :func:`collect`, :class:`Readout` and :func:`ig_lens` find it later too; a part given
+            for a model that has its own overrides it for this call only.
 
     Raises:
-        ValueError: when a part cannot be found, saying how to pass it.
+        ValueError: naming each part that cannot be found, where it was looked for, and how to
+            pass it by hand.
     """
     base = getattr(model, "base_model", model)
-    blocks = _first_attr(base, _BLOCK_LISTS)
-    norm = norm if norm is not None else _first_attr(base, _FINAL_NORMS)
-    head = head if head is not None else model.get_output_embeddings()
-    if not isinstance(blocks, nn.ModuleList) or norm is None or head is None:
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    found = dict(blocks=_first_attr(base, _BLOCK_LISTS), norm=_first_attr(base, _FINAL_NORMS),
+                 head=output_embeddings() if callable(output_embeddings) else None)
+    if not isinstance(found["blocks"], nn.ModuleList):
+        found["blocks"] = None
+    given = dict(blocks=blocks, norm=norm, head=head)
+    remembered = model.__dict__.setdefault("_iglens_parts", {})  # plain attribute, not a submodule
+    parts = {}
+    for name in found:
+        if given[name] is not None and found[name] is None:
+            remembered[name] = given[name]
+        parts[name] = next((part for part in (given[name], found[name], remembered.get(name))
+                            if part is not None), None)
+    missing = [name for name, part in parts.items() if part is None]
+    if missing:
+        where = dict(blocks=f"a ModuleList at .{' / .'.join(_BLOCK_LISTS)} of model.base_model or "
+                            "the model",
+                     norm=f"a module at .{' / .'.join(_FINAL_NORMS)} of model.base_model or the model",
+                     head="model.get_output_embeddings()")
         raise ValueError(
-            f"IG-Lens does not recognise the architecture {type(model).__name__}: found "
-            f"blocks={type(blocks).__name__}, norm={type(norm).__name__}, head={type(head).__name__}. "
-            "Pass the final norm and the unembedding explicitly, e.g. "
-            "Readout(model, norm=model.transformer.ln_f, head=model.lm_head).")
-    config = model.config
+            f"IG-Lens does not recognise the architecture {type(model).__name__}: cannot find "
+            + "; ".join(f"the {dict(blocks='blocks', norm='final norm', head='unembedding head')[name]} "
+                        f"(looked for {where[name]})" for name in missing)
+            + ". Pass the missing parts by hand once: ig.get_adapter(model, blocks=model.<block "
+            "ModuleList>, norm=model.<final norm>, head=model.<unembedding Linear>) (when the "
+            "blocks are found, ig.Readout(model, norm=..., head=...) does it too); parts passed "
+            "by hand are remembered on the model, so collect() and ig_lens() find them.")
+    config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None) or 1.0          # Cohere multiplies
     if getattr(config, "logits_scaling", None):                   # Granite divides
         scale = 1.0 / config.logits_scaling
-    return Adapter(blocks, norm, head, softcap, float(scale))
+    return Adapter(parts["blocks"], parts["norm"], parts["head"], softcap, float(scale))
 
 
 def _norm_form(norm: nn.Module, head: nn.Module) -> tuple[Optional[str], float]:
@@ -328,8 +354,9 @@ def _target_prob(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
-    config = getattr(model.config, "text_config", None) or model.config
-    return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx"))
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx")) if config is not None else None
 
 
 # ---------------------------------------------------------------------------
