@@ -338,6 +338,9 @@ def _norm_form(norm: nn.Module, head: nn.Module) -> tuple[Optional[str], float]:
         return None, 0.0
     if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
         return "layer", float(norm.eps)
+    if (type(norm).__name__.lower().endswith("layernorm") and next(norm.parameters(), None) is None
+            and len(getattr(norm, "normalized_shape", ())) == 1):
+        return "layer", float(getattr(norm, "eps", 1e-5))  # OLMo: weightless, eps 1e-5 in forward
     eps = _first_attr(norm, ("variance_epsilon", "eps"))
     if "rmsnorm" in type(norm).__name__.lower() and isinstance(eps, (int, float)):
         return "rms", float(eps)
