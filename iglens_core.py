@@ -1343,7 +1343,7 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
             title: str = "") -> Path:
     """Write one self-contained interactive HTML view of an attribution (opens offline).
 
-    Plotly, with its JavaScript embedded in the file (about 4.7 MB): nothing loads from a network.
+    Plotly, with its JavaScript embedded in the file (about 5 MB): nothing loads from a network.
     Left: token x segment heatmap, diverging colours centred at zero, the last segment always
     labelled. Right: the logit lens ``f`` at every path node. Hovering a cell gives the token,
     the segment, its value, the lens at both ends of the segment, the row sum and Δp (all in

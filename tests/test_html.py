@@ -119,3 +119,13 @@ def test_cli_writes_the_view(tmp_path, monkeypatch, capsys):
     np.testing.assert_allclose(np.array(sub["z"]), expected.values.numpy(), atol=1e-7, rtol=0)
     assert ig.main(["a prompt", "--html", str(tmp_path / "cli.txt")]) == 2
     assert "path must name an .html file" in capsys.readouterr().err
+
+
+def test_core_imports_without_plotly():
+    """plotly is imported inside to_html only: the core works where it is not installed."""
+    import subprocess
+    import sys
+    code = "import sys; sys.modules['plotly'] = None; import iglens_core; print(iglens_core.to_html)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ig.ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
