@@ -1252,10 +1252,8 @@ def _tick_indices(count: int, max_ticks: int = 16) -> list[int]:
     """About ``max_ticks`` evenly spaced indices of ``count`` columns, the last one always among them."""
     step = max(1, math.ceil(count / max_ticks))
     ticks = list(range(0, count, step))
-    if ticks[-1] != count - 1:
-        if count - 1 - ticks[-1] <= step / 2 and len(ticks) > 1:
-            ticks.pop()  # too close to the last column: its label would overlap
-        ticks.append(count - 1)
+    if ticks[-1] != count - 1:  # the last column replaces the tick less than a step before it,
+        ticks[-1] = count - 1     # whose label would overlap it
     return ticks
 
 
