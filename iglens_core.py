@@ -310,15 +310,14 @@ def get_adapter(model: nn.Module, *, blocks: Optional[nn.ModuleList] = None,
                             if part is not None), None)
     missing = [name for name, part in parts.items() if part is None]
     if missing:
-        where = dict(blocks=f"a ModuleList at .{' / .'.join(_BLOCK_LISTS)} of model.base_model or "
-                            "the model",
-                     norm=f"a module at .{' / .'.join(_FINAL_NORMS)} of model.base_model or the model",
-                     head="model.get_output_embeddings()")
+        where = "of model.base_model (or the model itself)"
+        looked_for = dict(
+            blocks=f"the blocks (looked for a ModuleList at .{' / .'.join(_BLOCK_LISTS)} {where})",
+            norm=f"the final norm (looked for .{' / .'.join(_FINAL_NORMS)} {where})",
+            head="the unembedding head (looked for model.get_output_embeddings())")
         raise ValueError(
             f"IG-Lens does not recognise the architecture {type(model).__name__}: cannot find "
-            + "; ".join(f"the {dict(blocks='blocks', norm='final norm', head='unembedding head')[name]} "
-                        f"(looked for {where[name]})" for name in missing)
-            + ". Pass the missing parts by hand once: ig.get_adapter(model, blocks=model.<block "
+            + "; ".join(looked_for[name] for name in missing) + ". Pass the missing parts by hand once: ig.get_adapter(model, blocks=model.<block "
             "ModuleList>, norm=model.<final norm>, head=model.<unembedding Linear>) (when the "
             "blocks are found, ig.Readout(model, norm=..., head=...) does it too); parts passed "
             "by hand are remembered on the model, so collect() and ig_lens() find them.")
