@@ -37,7 +37,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -281,34 +281,59 @@ def _first_attr(module: nn.Module, names: Sequence[str]):
     return None
 
 
-def get_adapter(model: nn.Module, *, norm: Optional[nn.Module] = None,
-                head: Optional[nn.Module] = None) -> Adapter:
-    """Find blocks, final norm and head of a Llama/Mistral/Qwen2/Gemma/GPT-2/GPT-NeoX model.
+def get_adapter(model: nn.Module, *, blocks: Optional[nn.ModuleList] = None,
+                norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None) -> Adapter:
+    """Find blocks, final norm and head of a Hugging Face causal LM (see the README's table).
+
+    Parts are found by attribute, not by class name: the blocks as a ``ModuleList`` at
+    ``.layers`` / ``.h`` / ``.blocks`` of ``model.base_model``, the final norm at ``.norm`` /
+    ``.ln_f`` / ``.final_layer_norm`` / ``.final_norm``, the head by ``get_output_embeddings()``.
 
     Args:
-        model: a Hugging Face ``*ForCausalLM``.
-        norm, head: pass these explicitly for an architecture that is not recognised.
+        model: a Hugging Face ``*ForCausalLM``, or any module whose parts are passed by hand.
+        blocks, norm, head: pass these for an architecture whose parts are not found. A part
+            given for a model on which it cannot be found is remembered on the model, so
+            :func:`collect`, :class:`Readout` and :func:`ig_lens` find it later too; a part given
+            for a model that has its own overrides it for this call only.
 
     Raises:
-        ValueError: when a part cannot be found, saying how to pass it.
+        ValueError: naming each part that cannot be found, where it was looked for, and how to
+            pass it by hand.
     """
     base = getattr(model, "base_model", model)
-    blocks = _first_attr(base, _BLOCK_LISTS)
-    norm = norm if norm is not None else _first_attr(base, _FINAL_NORMS)
-    head = head if head is not None else model.get_output_embeddings()
-    if not isinstance(blocks, nn.ModuleList) or norm is None or head is None:
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    found = dict(blocks=_first_attr(base, _BLOCK_LISTS), norm=_first_attr(base, _FINAL_NORMS),
+                 head=output_embeddings() if callable(output_embeddings) else None)
+    if not isinstance(found["blocks"], nn.ModuleList):
+        found["blocks"] = None
+    given = dict(blocks=blocks, norm=norm, head=head)
+    remembered = model.__dict__.setdefault("_iglens_parts", {})  # plain attribute, not a submodule
+    parts = {}
+    for name in found:
+        if given[name] is not None and found[name] is None:
+            remembered[name] = given[name]
+        parts[name] = next((part for part in (given[name], found[name], remembered.get(name))
+                            if part is not None), None)
+    missing = [name for name, part in parts.items() if part is None]
+    if missing:
+        where = "of model.base_model (or the model itself)"
+        looked_for = dict(
+            blocks=f"the blocks (looked for a ModuleList at .{' / .'.join(_BLOCK_LISTS)} {where})",
+            norm=f"the final norm (looked for .{' / .'.join(_FINAL_NORMS)} {where})",
+            head="the unembedding head (looked for model.get_output_embeddings())")
         raise ValueError(
-            f"IG-Lens does not recognise the architecture {type(model).__name__}: found "
-            f"blocks={type(blocks).__name__}, norm={type(norm).__name__}, head={type(head).__name__}. "
-            "Pass the final norm and the unembedding explicitly, e.g. "
-            "Readout(model, norm=model.transformer.ln_f, head=model.lm_head).")
-    config = model.config
+            f"IG-Lens does not recognise the architecture {type(model).__name__}: cannot find "
+            + "; ".join(looked_for[name] for name in missing) + ". Pass the missing parts by hand once: ig.get_adapter(model, blocks=model.<block "
+            "ModuleList>, norm=model.<final norm>, head=model.<unembedding Linear>) (when the "
+            "blocks are found, ig.Readout(model, norm=..., head=...) does it too); parts passed "
+            "by hand are remembered on the model, so collect() and ig_lens() find them.")
+    config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None) or 1.0          # Cohere multiplies
     if getattr(config, "logits_scaling", None):                   # Granite divides
         scale = 1.0 / config.logits_scaling
-    return Adapter(blocks, norm, head, softcap, float(scale))
+    return Adapter(parts["blocks"], parts["norm"], parts["head"], softcap, float(scale))
 
 
 def _norm_form(norm: nn.Module, head: nn.Module) -> tuple[Optional[str], float]:
@@ -318,6 +343,9 @@ def _norm_form(norm: nn.Module, head: nn.Module) -> tuple[Optional[str], float]:
         return None, 0.0
     if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
         return "layer", float(norm.eps)
+    if (type(norm).__name__.lower().endswith("layernorm") and next(norm.parameters(), None) is None
+            and len(getattr(norm, "normalized_shape", ())) == 1):
+        return "layer", float(getattr(norm, "eps", 1e-5))  # OLMo: weightless, eps 1e-5 in forward
     eps = _first_attr(norm, ("variance_epsilon", "eps"))
     if "rmsnorm" in type(norm).__name__.lower() and isinstance(eps, (int, float)):
         return "rms", float(eps)
@@ -346,8 +374,9 @@ def _target_prob(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
-    config = getattr(model.config, "text_config", None) or model.config
-    return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx"))
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx")) if config is not None else None
 
 
 # ---------------------------------------------------------------------------
@@ -519,8 +548,9 @@ def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
         raise ValueError(f"input_ids must have shape (1, L), got {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    vocab = model.get_input_embeddings().num_embeddings
-    if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)  # None: a custom model, not checked here
+    if vocab and input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique()[:5].tolist()
         raise ValueError(f"token ids must lie in 0..{vocab - 1} (the model's vocabulary), got {bad}")
     length = input_ids.shape[1]
@@ -1698,13 +1728,23 @@ def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = N
     return path
 
 
+def _tick_indices(count: int, max_ticks: int = 16) -> list[int]:
+    """About ``max_ticks`` evenly spaced indices of ``count`` columns, the last one always among them."""
+    step = max(1, math.ceil(count / max_ticks))
+    ticks = list(range(0, count, step))
+    if ticks[-1] != count - 1:  # the last column replaces the tick less than a step before it,
+        ticks[-1] = count - 1     # whose label would overlap it
+    return ticks
+
+
 def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str = "",
                  figsize: tuple[float, float] = (13, 4.5)):
     """Token x layer heatmap of the attributions beside the logit-lens probability per layer.
 
-    Left: signed attributions (probability), diverging colours centred at zero, each row
-    annotated with its sum and Δp. Right: the logit lens ``f(h_L)`` per token, so the reader sees
-    the mass sit where the lens jumps.
+    Left: signed attributions (probability), diverging colours centred at zero, each row's sum
+    and Δp on the right of its row, the colour bar beside the panel. Right: the logit lens
+    ``f(h_L)`` per token, so the reader sees the mass sit where the lens jumps. The last segment
+    (layer n) is always labelled.
 
     Returns:
         The matplotlib figure.
@@ -1721,24 +1761,164 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
                                       constrained_layout=True)
     image = ax.imshow(values, aspect="auto", cmap="RdBu_r",
                       norm=TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound))
-    step = max(1, K // 15)
-    ax.set_xticks(range(0, K, step), [attribution.labels[j] for j in range(0, K, step)],
+    ticks = _tick_indices(K)
+    ax.set_xticks(ticks, [attribution.labels[j] for j in ticks],
                   rotation=90 if attribution.labels[0].count(".") else 0)
     ax.set_yticks(range(T), [repr(tok)[1:-1] for tok in tokens])
     ax.set_xlabel("segment end layer")
     ax.set_ylabel("target token")
-    for t in range(T):
-        ax.text(K - 0.4, t, f" Σ={values[t].sum():+.3f}  Δp={attribution.delta_p[t]:+.3f}",
-                va="center", ha="left", fontsize=8, clip_on=False)
-    fig.colorbar(image, ax=ax, label="attribution (Δ probability)", location="left", pad=0.12)
+    # row sums as right-hand tick labels: part of the axes' decorations, so the colour bar that
+    # constrained_layout places on the right sits beside them, not on top of them
+    sums = ax.secondary_yaxis("right")
+    sums.set_yticks(range(T), [f"Σ={values[t].sum():+.3f}  Δp={attribution.delta_p[t]:+.3f}"
+                               for t in range(T)], fontsize=8)
+    sums.tick_params(length=0)
+    fig.colorbar(image, ax=ax, label="attribution (Δ probability)", pad=0.01)
     ax.set_title(title or f"IG-Lens ({attribution.estimator}, m={attribution.steps})")
     lens_image = ax_lens.imshow(lens, aspect="auto", cmap="viridis", vmin=0, vmax=1)
     ax_lens.set_yticks([])
-    ax_lens.set_xticks(range(0, K + 1, max(1, (K + 1) // 8)))
+    ax_lens.set_xticks(_tick_indices(K + 1, 10))
     ax_lens.set_xlabel("path node (0 = baseline)")
     ax_lens.set_title("logit lens f(h_L)")
-    fig.colorbar(lens_image, ax=ax_lens, label="target probability")
+    fig.colorbar(lens_image, ax=ax_lens, label="target probability", pad=0.01)
     return fig
+
+
+def _html_path(path) -> Path:
+    """``path`` as a Path when it names an ``.html`` file in an existing folder; else ValueError."""
+    out = Path(path).expanduser()
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"path must name an .html file, got {str(path)!r}")
+    if not out.parent.is_dir():
+        raise ValueError(f"the folder {str(out.parent)!r} of path {str(path)!r} does not exist")
+    return out
+
+
+def _html_views(attribution: Attribution, sublayer: Optional[Attribution],
+                views: Optional[Mapping[str, object]]) -> list[tuple]:
+    """The views of :func:`to_html`: ``(name, values (T, K), labels (K,), lens (T, K+1) or None)``."""
+    T = attribution.values.shape[0]
+    extra = {"sublayer": sublayer} if sublayer is not None else {}
+    extra.update(views or {})
+    first = "sublayer" if any(".attn" in label for label in attribution.labels) else "layer"
+    out = [(first, attribution.values.numpy(), list(attribution.labels), attribution.lens.numpy())]
+    for name, view in extra.items():
+        if isinstance(view, Attribution):
+            if not torch.equal(view.targets, attribution.targets):
+                raise ValueError(f"view {name!r} attributes targets {view.targets.tolist()}, not "
+                                 f"those of the attribution {attribution.targets.tolist()}")
+            out.append((name, view.values.numpy(), list(view.labels), view.lens.numpy()))
+            continue
+        values, labels = view
+        values, labels = np.asarray(values, dtype=np.float64), [str(label) for label in labels]
+        if values.ndim != 2 or values.shape[0] != T or values.shape[1] != len(labels):
+            raise ValueError(f"view {name!r} must be (values (T, K), labels (K,)) with T = {T}, got "
+                             f"values {values.shape} and {len(labels)} labels")
+        out.append((name, values, labels, None))
+    return out
+
+
+def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
+            sublayer: Optional[Attribution] = None, views: Optional[Mapping[str, object]] = None,
+            title: str = "") -> Path:
+    """Write one self-contained interactive HTML view of an attribution (opens offline).
+
+    Plotly, with its JavaScript embedded in the file (about 5 MB): nothing loads from a network.
+    Left: token x segment heatmap, diverging colours centred at zero, the last segment always
+    labelled. Right: the logit lens ``f`` at every path node. Hovering a cell gives the token,
+    the segment, its value, the lens at both ends of the segment, the row sum and Δp (all in
+    probability). Buttons switch between the views: the attribution, ``sublayer`` and ``views``.
+
+    Args:
+        attribution: the first view (layer resolution, usually), T target tokens.
+        tokens: (T,) the target tokens as text, e.g. ``trace.tokens(tokenizer)``.
+        path: the ``.html`` file to write; its folder must exist.
+        sublayer: the same trace's ``ig_lens(..., resolution="sublayer")``.
+        views: further views by name, each an :class:`Attribution` of the same targets or
+            ``(values (T, K'), labels (K',))``, e.g. components of every block flattened to
+            columns; an array view has no lens of its own and shows the first view's lens.
+        title: the figure's title.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: a path that is not ``.html`` or whose folder is missing, ``tokens`` of the
+            wrong length, a view of other targets or shape.
+    """
+    import html
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    out = _html_path(path)
+    tokens = list(tokens)
+    T = attribution.values.shape[0]
+    if len(tokens) != T:
+        raise ValueError(f"tokens has {len(tokens)} entries, the attribution T = {T} target tokens")
+    panels = _html_views(attribution, sublayer, views)
+    delta_p = attribution.delta_p.tolist()
+    shown = [html.escape(repr(token)) for token in tokens]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], shared_yaxes=True,
+                        horizontal_spacing=0.11,
+                        subplot_titles=("attribution (Δ probability)", "logit lens f (probability)"))
+    heat_end, lens_end = fig.layout.xaxis.domain[1], fig.layout.xaxis2.domain[1]
+    traces, buttons = [], []
+    for name, values, labels, lens in panels:
+        K = len(labels)
+        sums = values.sum(-1)
+        ends = lens if lens is not None else np.full((T, K + 1), np.nan)
+        cells = [[[shown[t], labels[j], float(ends[t, j]), float(ends[t, j + 1]), float(sums[t]),
+                   delta_p[t]] for j in range(K)] for t in range(T)]
+        hover = ("token %{customdata[0]}<br>segment %{customdata[1]}<br>value %{z:+.4f}<br>"
+                 + ("lens %{customdata[2]:.4f} → %{customdata[3]:.4f}<br>" if lens is not None else "")
+                 + "row sum %{customdata[4]:+.4f}<br>Δp %{customdata[5]:+.4f}<extra>" + name + "</extra>")
+        bound = max(float(np.abs(values).max()), 1e-9)
+        traces.append((name, "heat", go.Heatmap(
+            z=values.tolist(), x=list(range(K)), y=list(range(T)), customdata=cells,
+            hovertemplate=hover, colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound,
+            zmax=bound, name=name,
+            colorbar=dict(x=heat_end + 0.005, xanchor="left", thickness=14, tickformat=".2~g",
+                          title=dict(text="Δ probability", side="right")))))
+        if lens is not None:
+            nodes = ["baseline"] + labels
+            traces.append((name, "lens", go.Heatmap(
+                z=lens.tolist(), x=list(range(K + 1)), y=list(range(T)), zmin=0.0, zmax=1.0,
+                colorscale="Viridis", name=name,
+                customdata=[[[shown[t], nodes[j]] for j in range(K + 1)] for t in range(T)],
+                hovertemplate="token %{customdata[0]}<br>node %{customdata[1]}<br>"
+                              "f %{z:.4f}<extra>" + name + "</extra>",
+                colorbar=dict(x=lens_end + 0.005, xanchor="left", thickness=14,
+                              title=dict(text="target probability", side="right")))))
+    for index, (name, values, labels, lens) in enumerate(panels):
+        lens_of = name if lens is not None else panels[0][0]
+        visible = [(view == name and kind == "heat") or (view == lens_of and kind == "lens")
+                   for view, kind, _ in traces]
+        heat_ticks = _tick_indices(len(labels))
+        lens_labels = ["base"] + (labels if lens is not None else panels[0][2])
+        lens_ticks = _tick_indices(len(lens_labels), 10)
+        axes = {"xaxis.tickvals": heat_ticks, "xaxis.ticktext": [labels[j] for j in heat_ticks],
+                "xaxis2.tickvals": lens_ticks, "xaxis2.ticktext": [lens_labels[j] for j in lens_ticks]}
+        buttons.append(dict(label=name, method="update", args=[{"visible": visible}, axes]))
+        if index == 0:
+            first_visible, first_axes = visible, axes
+    for (name, kind, trace), visible in zip(traces, first_visible):
+        trace.visible = visible
+        fig.add_trace(trace, row=1, col=1 if kind == "heat" else 2)
+    fig.update_layout(
+        title=dict(text=title or (f"IG-Lens ({attribution.estimator}, m={attribution.steps}, "
+                                  f"baseline {attribution.baseline}): max |row sum - Δp| = "
+                                  f"{attribution.residual:.1e}"), y=0.99, yanchor="top"),
+        width=1300, height=240 + 28 * T, margin=dict(t=130),
+        updatemenus=[dict(type="buttons", direction="right", buttons=buttons, showactive=True,
+                          x=0.0, xanchor="left", y=1.0, yanchor="bottom", pad=dict(b=30))])
+    fig.update_layout({key.replace(".", "_"): value for key, value in first_axes.items()})
+    fig.update_xaxes(tickmode="array", title_text="segment", row=1, col=1)
+    fig.update_xaxes(tickmode="array", title_text="path node", row=1, col=2)
+    fig.update_yaxes(tickmode="array", tickvals=list(range(T)),
+                     ticktext=[html.escape(repr(token)[1:-1]) for token in tokens],
+                     autorange="reversed", row=1, col=1)
+    fig.write_html(out, include_plotlyjs=True, full_html=True, div_id="iglens",
+                   config={"displaylogo": False})
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -1782,6 +1962,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="with --dataset: the results .parquet file")
     parser.add_argument("--batch-size", type=int, default=16, help="with --dataset: items per batch")
     parser.add_argument("--resume", action="store_true", help="with --dataset: skip ids in OUT.parts/")
+    parser.add_argument("--html", default=None, metavar="OUT.html",
+                        help="also write the interactive view (layer and sublayer) to this file")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.dataset is None):
         parser.error("give exactly one of a prompt or --dataset FILE.csv")
@@ -1789,19 +1971,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dataset is not None:
         return _main_dataset(args)
     try:
+        html_path = _html_path(args.html) if args.html else None  # a bad path fails before the work
         model, tokenizer = load_model(args.model)
         layers = [int(x) for x in args.layers.split(",")] if args.layers else None
         input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
                                        chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
-        trace = collect(model, input_ids, prompt_len)
+        trace = collect(model, input_ids, prompt_len, sublayer=html_path is not None)
         attribution = ig_lens(model, trace, layers=layers, baseline=args.baseline,
                               steps=args.steps, estimator=args.estimator)
+        sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
+                            estimator=args.estimator, resolution="sublayer")
+                    if html_path is not None else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     tokens = trace.tokens(tokenizer)
     print(f"model: {args.model}   answer: {tokenizer.decode(trace.targets)!r}")
     print(format_table(attribution, tokens))
+    if html_path is not None:
+        print(f"interactive view: {to_html(attribution, tokens, html_path, sublayer=sublayer)}")
     return 0
 
 

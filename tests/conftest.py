@@ -38,8 +38,22 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, vocab_size: int = 
     elif arch == "gpt2":
         config = transformers.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=3, n_head=4,
                                          n_positions=64)
-    elif arch == "neox":
-        config = transformers.GPTNeoXConfig(use_parallel_residual=True, **common)
+    elif arch == "neox":  # parallel attention + MLP, rotary on a quarter of each head
+        config = transformers.GPTNeoXConfig(use_parallel_residual=True, rotary_pct=0.25, **common)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(num_key_value_heads=2, **common)
+    elif arch == "qwen3":  # RMSNorm on queries and keys too
+        config = transformers.Qwen3Config(num_key_value_heads=2, head_dim=8, **common)
+    elif arch == "mistral":
+        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, **common)
+    elif arch == "phi3":
+        config = transformers.Phi3Config(num_key_value_heads=2, pad_token_id=0, **common)
+    elif arch == "gemma2":  # both soft-caps small enough to bite at these logit sizes
+        config = transformers.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                           attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                                           **common)
+    elif arch == "olmo":  # LayerNorm without weight or bias
+        config = transformers.OlmoConfig(num_key_value_heads=2, pad_token_id=0, **common)
     else:
         raise KeyError(arch)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
@@ -47,6 +61,8 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, vocab_size: int = 
 
 
 ARCHS = ["llama", "llama32", "gemma3", "gpt2", "neox"]
+# further architectures, checked by tests/test_architectures.py only (keeps the other suites short)
+MORE_ARCHS = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "olmo"]
 
 
 @pytest.fixture(params=ARCHS)

@@ -1,0 +1,131 @@
+"""The interactive view: the file holds the attribution's numbers, loads nothing, rejects bad input."""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import iglens_core as ig
+from conftest import random_trace, tiny_model
+
+
+def _figure(text: str):
+    """The figure's data and layout as written by plotly into the page."""
+    found = re.search(r'Plotly\.newPlot\(\s*"iglens",\s*', text)
+    assert found, "no Plotly.newPlot call for the view's div"
+    decoder = json.JSONDecoder()
+    data, end = decoder.raw_decode(text, found.end())
+    layout, _ = decoder.raw_decode(text[end:].lstrip().lstrip(",").lstrip())
+    return data, layout
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    model = tiny_model("gemma3", seed=3)
+    trace = random_trace(model, seed=4, sublayer=True)
+    layer = ig.ig_lens(model, trace)
+    sublayer = ig.ig_lens(model, trace, resolution="sublayer")
+    gen = torch.Generator().manual_seed(5)
+    parts = torch.randn(len(trace.targets), 7, generator=gen)  # an array view, e.g. components
+    tokens = [f"tok{t} <&>" for t in range(len(trace.targets))]
+    path = ig.to_html(layer, tokens, tmp_path_factory.mktemp("html") / "view.html",
+                      sublayer=sublayer, views={"parts": (parts, [f"c{i}" for i in range(7)])})
+    return path, layer, sublayer, parts, tokens
+
+
+def test_file_holds_the_attribution(written):
+    path, layer, sublayer, parts, tokens = written
+    data, layout = _figure(path.read_text(encoding="utf-8"))
+    heat = {trace["name"]: trace for trace in data if trace["colorscale"][0][1] != "#440154"}
+    lens = {trace["name"]: trace for trace in data if trace["colorscale"][0][1] == "#440154"}
+    assert sorted(heat) == ["layer", "parts", "sublayer"] and sorted(lens) == ["layer", "sublayer"]
+    for name, attribution in (("layer", layer), ("sublayer", sublayer)):
+        np.testing.assert_array_equal(np.array(heat[name]["z"], dtype=np.float32),
+                                      attribution.values.numpy())
+        np.testing.assert_array_equal(np.array(lens[name]["z"], dtype=np.float32),
+                                      attribution.lens.numpy())
+        cells = heat[name]["customdata"]  # token, segment, lens start, lens end, row sum, Δp
+        T, K = attribution.values.shape
+        for t in range(T):
+            for j in range(K):
+                token, label, start, end, row_sum, delta_p = cells[t][j]
+                assert label == attribution.labels[j] and token.startswith(f"&#x27;tok{t} &lt;")
+                assert start == float(attribution.lens[t, j]) and end == float(attribution.lens[t, j + 1])
+                assert row_sum == pytest.approx(float(attribution.values[t].double().sum()), abs=1e-6)
+                assert delta_p == float(attribution.delta_p[t])
+    np.testing.assert_allclose(np.array(heat["parts"]["z"]), parts.numpy().astype(np.float64))
+    # one button per view; each shows its heatmap and a lens, and labels its last segment
+    buttons = layout["updatemenus"][0]["buttons"]
+    assert [b["label"] for b in buttons] == ["layer", "sublayer", "parts"]
+    for button, attribution in zip(buttons, (layer, sublayer)):
+        visible, axes = button["args"][0]["visible"], button["args"][1]
+        shown = [trace["name"] for trace, seen in zip(data, visible) if seen]
+        assert shown == [button["label"]] * 2
+        assert axes["xaxis.ticktext"][-1] == attribution.labels[-1]
+    assert [t["name"] for t, seen in zip(data, buttons[2]["args"][0]["visible"]) if seen] == ["layer", "parts"]
+    assert [trace["visible"] for trace in data] == buttons[0]["args"][0]["visible"]
+
+
+def test_opens_without_network(written):
+    text = written[0].read_text(encoding="utf-8")
+    assert "plotly.js v" in text  # the library itself is embedded
+    # outside the embedded scripts' bodies, no tag may point at another host
+    tags = re.sub(r"(<script[^>]*>).*?</script>", r"\1", text, flags=re.S)
+    external = re.findall(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", tags, flags=re.I)
+    assert external == [], external
+    assert re.findall(r"<script[^>]*\ssrc\s*=", text, flags=re.I) == []
+    assert re.findall(r"<link\b", tags, flags=re.I) == []
+    assert re.findall(r"@import|url\(\s*['\"]?(?:https?:)?//", tags, flags=re.I) == []
+
+
+def test_bad_input(tmp_path):
+    model = tiny_model("llama")
+    trace = random_trace(model)
+    layer = ig.ig_lens(model, trace)
+    tokens = [str(t) for t in range(len(trace.targets))]
+    with pytest.raises(ValueError, match=r"folder .*missing.* does not exist"):
+        ig.to_html(layer, tokens, tmp_path / "missing" / "view.html")
+    with pytest.raises(ValueError, match=r"path must name an \.html file, got '.*view\.png'"):
+        ig.to_html(layer, tokens, tmp_path / "view.png")
+    with pytest.raises(ValueError, match=rf"tokens has {len(tokens) - 1} entries, the attribution "
+                                         rf"T = {len(tokens)}"):
+        ig.to_html(layer, tokens[:-1], tmp_path / "view.html")
+    other = ig.ig_lens(model, random_trace(model, seed=9))
+    with pytest.raises(ValueError, match="view 'other' attributes targets"):
+        ig.to_html(layer, tokens, tmp_path / "view.html", views={"other": other})
+    with pytest.raises(ValueError, match=r"view 'parts' must be .* got values \(3, 2\) and 2 labels"):
+        ig.to_html(layer, tokens, tmp_path / "view.html", views={"parts": (np.zeros((3, 2)), ["a", "b"])})
+    assert not (tmp_path / "view.html").exists()
+
+
+def test_cli_writes_the_view(tmp_path, monkeypatch, capsys):
+    """``--html`` writes the layer and sublayer views of the prompt (model and tokenizer stubbed)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(ig, "encode", lambda *args, **kwargs: (ids, 4))
+    monkeypatch.setattr(ig.Trace, "tokens", lambda self, tokenizer: [str(t) for t in self.targets.tolist()])
+
+    class Decode:
+        def decode(self, ids):
+            return str(list(ids))
+    monkeypatch.setattr(ig, "load_model", lambda name: (model, Decode()))
+    out = tmp_path / "cli.html"
+    assert ig.main(["a prompt", "--html", str(out)]) == 0
+    data, _ = _figure(out.read_text(encoding="utf-8"))
+    trace = ig.collect(model, ids, 4, sublayer=True)
+    expected = ig.ig_lens(model, trace, resolution="sublayer")
+    sub = next(t for t in data if t["name"] == "sublayer" and "zmid" in t)
+    np.testing.assert_allclose(np.array(sub["z"]), expected.values.numpy(), atol=1e-7, rtol=0)
+    assert ig.main(["a prompt", "--html", str(tmp_path / "cli.txt")]) == 2
+    assert "path must name an .html file" in capsys.readouterr().err
+
+
+def test_core_imports_without_plotly():
+    """plotly is imported inside to_html only: the core works where it is not installed."""
+    import subprocess
+    import sys
+    code = "import sys; sys.modules['plotly'] = None; import iglens_core; print(iglens_core.to_html)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ig.ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
