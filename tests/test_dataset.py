@@ -187,3 +187,11 @@ def test_an_item_failing_inside_a_batch_is_isolated(tokenizer, monkeypatch):
     results, errors = ig.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
     assert errors["id"].tolist() == [facts["id"].iloc[1]] and "poisoned" in errors["error"].iloc[0]
     pd.testing.assert_frame_equal(results, clean[clean["id"] != facts["id"].iloc[1]].reset_index(drop=True))
+
+
+def test_cli_needs_exactly_one_of_prompt_and_dataset(tmp_path, capsys):
+    for argv in ([], ["Hi?", "--dataset", str(tmp_path / "x.csv")]):
+        with pytest.raises(SystemExit) as stop:
+            ig.main(argv)
+        assert stop.value.code == 2
+        assert "exactly one of a prompt or --dataset" in capsys.readouterr().err
