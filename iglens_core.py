@@ -1699,6 +1699,12 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
             items_run = int((~table["id"].isin(done)).sum())
         if rank == 0:
             results, errors = _merge_shards(parts, Path(out))
+            missing = set(table["id"]) - set(results["id"]) - set(errors["id"])
+            if missing:  # e.g. another node's shards written to a folder rank 0 cannot see
+                raise FileNotFoundError(
+                    f"{len(missing)} items have no shard in {parts} after every rank finished "
+                    f"(e.g. {sorted(missing)[:3]}): with several nodes, out= must lie on a file "
+                    "system that every node shares")
         else:  # this rank's own shards
             results, errors = _tables(*(_read_shards(parts, kind, f"rank{rank:04d}-")
                                         for kind in ("results", "errors")))

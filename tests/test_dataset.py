@@ -195,3 +195,13 @@ def test_cli_needs_exactly_one_of_prompt_and_dataset(tmp_path, capsys):
             ig.main(argv)
         assert stop.value.code == 2
         assert "exactly one of a prompt or --dataset" in capsys.readouterr().err
+
+
+def test_rank0_reports_shards_it_cannot_see(tmp_path, tokenizer, monkeypatch):
+    """Two ranks whose shard folders differ (nodes without a shared file system): rank 0 says so."""
+    model = tiny_model("llama", seed=8, vocab_size=VOCAB)
+    monkeypatch.setattr(ig, "distributed_rank", lambda: (0, 2))  # the other rank wrote elsewhere
+    monkeypatch.setattr(ig, "_barrier", lambda world: None)
+    with pytest.raises(FileNotFoundError, match=r"2 items have no shard .* every node shares"):
+        ig.attribute_dataset(model, tokenizer, _facts(6).dropna(), layers=[2], steps=2, progress=False,
+                             out=tmp_path / "out.parquet")
