@@ -977,7 +977,7 @@ class Readout:
             self._norm_gain = gain.to(self.device, work)
         return self._norm_gain
 
-    def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, ids, offset) -> torch.Tensor:
+    def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, ids, offset):
         """``sum_s w_s grad f(start + alpha_s (end - start))`` for a block of tokens, in closed form.
 
         At a point ``h`` with head output ``s(h) Z(h) + c`` and logits ``z``, ``p = softmax(z)``:
@@ -986,36 +986,54 @@ class Readout:
         ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``. Since ``<G * P h, W^T q> = <Z(h), q>``
         is V-wide and ``W^T`` is linear, the weighted sum over the grid needs one ``(V x d)`` product
         per segment: ``P (G * W^T (sum_s w_s s_s q_s) - sum_s w_s s_s^3 <Z_s, q_s> P h_s / d)``.
+        The product is left to the caller (:meth:`_finish_gradients`), which batches many segments
+        into one: a few rows at a time it would read the whole head weight per segment.
 
         Args:
             z_start, z_end: (b, V) node products; start, end: (b, d) working precision.
             alphas, weights: (m',) quadrature nodes and weights; ids: (b,); offset: (V,) or None.
 
         Returns:
-            (b, d) probability per unit of the residual stream.
+            ``(summed (b, V), correction (b, d))``: ``sum_s w_s s_s q_s`` and the norm's second term.
         """
         delta = end - start
         points = start[:, None] + alphas[None, :, None] * delta[:, None]  # (b, m', d)
         scale = self._scale(points)  # (b, m')
         mix = torch.stack([1 - alphas, alphas], -1)  # (m', 2)
-        products = torch.matmul(mix, torch.stack([z_start, z_end], 1))  # (b, m', V) Z at the points
-        head_out = scale[..., None] * products
+        head_out = torch.bmm(scale[..., None] * mix, torch.stack([z_start, z_end], 1))  # (b, m', V)
         if offset is not None:
             head_out += offset
-        logits = self._finish(head_out)
+        logits = self._finish(head_out)  # the same tensor when there is no scale or soft-cap
         index = ids[:, None, None].expand(-1, len(alphas), 1)
         probs = torch.softmax(logits, -1)
         p_y = probs.gather(-1, index)  # (b, m', 1)
         chain = probs.mul_(-p_y).scatter_add_(-1, index, p_y)  # p_y (e_y - p), in place
         chain = self._finish_tangent(chain, logits)  # (b, m', V) q: df/d(head output)
-        summed = (chain * (weights * scale)[..., None]).sum(1)  # (b, V)
-        dots = (chain * products).sum(-1)  # (b, m') <Z_s, q_s>
-        weight = self.adapter.head.weight
-        back = summed.to(weight.device, weight.dtype) @ weight  # (b, d): the one product
+        summed = torch.bmm((weights * scale)[:, None, :], chain)[:, 0]  # (b, V), a sum over m' only
+        dots = (chain * head_out).sum(-1)  # (b, m') <s Z_s + c, q_s>
+        if offset is not None:
+            dots -= chain @ offset
+        dots /= scale  # <Z_s, q_s>
         centred = points - points.mean(-1, keepdim=True) if self.norm_kind == "layer" else points
         coef = weights * scale.pow(3) * dots / points.shape[-1]  # (b, m')
-        grad = self._gain() * back.to(points) - (coef[..., None] * centred).sum(1)
-        return grad - grad.mean(-1, keepdim=True) if self.norm_kind == "layer" else grad
+        return summed, (coef[..., None] * centred).sum(1)
+
+    def _finish_gradients(self, pending: list, out: torch.Tensor) -> None:
+        """Write ``P (G * W^T summed - correction)`` into ``out[j, tokens]`` for every pending
+        ``(j, tokens, summed, correction)``, with one head product for all of them."""
+        if not pending:
+            return
+        weight = self.adapter.head.weight
+        summed = torch.cat([item[2] for item in pending])
+        back = (summed.to(weight.device, weight.dtype) @ weight).to(out)  # (rows, d)
+        grad = self._gain() * back - torch.cat([item[3] for item in pending]).to(out)
+        if self.norm_kind == "layer":
+            grad = grad - grad.mean(-1, keepdim=True)
+        row = 0
+        for j, tokens, part, _ in pending:
+            out[j, tokens] = grad[row:row + len(part)]
+            row += len(part)
+        pending.clear()
 
     @torch.no_grad()
     def along_segments(self, nodes: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
@@ -1072,6 +1090,7 @@ class Readout:
         block = max(1, min(T, half // len(alphas)))  # tokens per block: block * m' grid rows
         group = max(1, half // block)  # path nodes per product: group * block rows
         ids, offset = targets.to(self.device), self._head_offset()
+        pending, flush = [], max(64, half)  # gradient sums waiting for their head product
         for t0 in range(0, T, block):
             tokens = slice(t0, t0 + block)
             ends = nodes[:, tokens].to(self.device, work)  # (K+1, b, d)
@@ -1086,12 +1105,15 @@ class Readout:
                     lens[len(products):len(products) + len(new), tokens] = f_nodes.reshape(len(new), b)
                     products += list(z.reshape(len(new), b, self.vocab_size).unbind(0))
                 if weights is not None:
-                    out[j, tokens] = self._segment_gradient(products[j], products[j + 1], ends[j], ends[j + 1],
-                                                            alphas, weights, ids[tokens], offset)
+                    pending.append((j, tokens) + self._segment_gradient(
+                        products[j], products[j + 1], ends[j], ends[j + 1], alphas, weights, ids[tokens], offset))
+                    if sum(len(item[2]) for item in pending) >= flush:
+                        self._finish_gradients(pending, out)
                 else:
                     out[j, tokens] = self._segment(products[j], products[j + 1], ends[j], ends[j + 1],
                                                    alphas, ids[tokens], offset, slope)
                 products[j] = None
+        self._finish_gradients(pending, out)
         return out.to(nodes.device), lens.to(nodes.device)
 
     def _check_form(self, nodes, targets, alphas, slope: bool) -> None:
