@@ -989,9 +989,16 @@ class Readout:
         The product is left to the caller (:meth:`_finish_gradients`), which batches many segments
         into one: a few rows at a time it would read the whole head weight per segment.
 
+        ``weights="observed"`` (the prediction-aware split): ``alphas`` are the midpoints of ``m``
+        uniform steps, and step s gets the weight ``(f(beta_s) - f(beta_(s-1))) / <b - a, grad f(alpha_s)>``
+        so that ``<b - a, sum_s w_s grad f> = f(b) - f(a)`` exactly: each step's observed change is
+        split in proportion to the directional derivatives at its midpoint (a step whose slope is
+        below 1e-12 keeps the midpoint weight 1/m).
+
         Args:
             z_start, z_end: (b, V) node products; start, end: (b, d) working precision.
-            alphas, weights: (m',) quadrature nodes and weights; ids: (b,); offset: (V,) or None.
+            alphas: (m',) quadrature nodes; weights: (m',) their weights, or ``"observed"``.
+            ids: (b,); offset: (V,) or None.
 
         Returns:
             ``(summed (b, V), correction (b, d))``: ``sum_s w_s s_s q_s`` and the norm's second term.
@@ -1009,11 +1016,19 @@ class Readout:
         p_y = probs.gather(-1, index)  # (b, m', 1)
         chain = probs.mul_(-p_y).scatter_add_(-1, index, p_y)  # p_y (e_y - p), in place
         chain = self._finish_tangent(chain, logits)  # (b, m', V) q: df/d(head output)
-        summed = torch.bmm((weights * scale)[:, None, :], chain)[:, 0]  # (b, V), a sum over m' only
         dots = (chain * head_out).sum(-1)  # (b, m') <s Z_s + c, q_s>
         if offset is not None:
             dots -= chain @ offset
         dots /= scale  # <Z_s, q_s>
+        if isinstance(weights, str):  # "observed": the step's change over its midpoint slope
+            m = len(alphas)
+            bounds = torch.arange(m + 1, dtype=alphas.dtype, device=alphas.device) / m
+            change = self._segment(z_start, z_end, start, end, bounds, ids, offset, False).diff(dim=-1)
+            slope = (self._scale_slope(points, delta[:, None].expand_as(points), scale) * dots
+                     + scale * (chain * (z_end - z_start)[:, None]).sum(-1))  # (b, m) df/dalpha
+            steady = slope.abs() > 1e-12
+            weights = torch.where(steady, change / torch.where(steady, slope, 1.0), 1.0 / m)
+        summed = torch.bmm((weights * scale)[:, None, :], chain)[:, 0]  # (b, V), a sum over m' only
         centred = points - points.mean(-1, keepdim=True) if self.norm_kind == "layer" else points
         coef = weights * scale.pow(3) * dots / points.shape[-1]  # (b, m')
         return summed, (coef[..., None] * centred).sum(1)
@@ -1055,7 +1070,8 @@ class Readout:
             slope: return ``df/dalpha`` instead of f.
             weights: (m',) quadrature weights: return the weighted gradient sum
                 ``sum_s w_s grad f(h_j + alpha_s (h_(j+1) - h_j))`` (K, T, d) instead (see
-                :meth:`_segment_gradient`; needs the ``s(h) A h + b`` form).
+                :meth:`_segment_gradient`; needs the ``s(h) A h + b`` form); ``"observed"``: the
+                prediction-aware weights, ``alphas`` the midpoints of m uniform steps.
 
         Returns:
             ``(values (K, T, m'), lens (K+1, T))``: f or its slope on the segments (or the gradient
@@ -1072,8 +1088,10 @@ class Readout:
                 raise ValueError(f"gradient sums need a final norm of the form s(h) A h + b (RMSNorm, "
                                  f"LayerNorm) and a linear head; got {type(self.adapter.norm).__name__}"
                                  f" and {type(self.adapter.head).__name__}")
-            weights = torch.as_tensor(weights).to(self.device, work)
-            if weights.shape != alphas.shape:
+            weights = weights if isinstance(weights, str) else torch.as_tensor(weights).to(self.device, work)
+            if isinstance(weights, str) and weights != "observed":
+                raise ValueError(f"weights must be a tensor or 'observed', got {weights!r}")
+            if not isinstance(weights, str) and weights.shape != alphas.shape:
                 raise ValueError(f"weights must have the shape of alphas {tuple(alphas.shape)}, "
                                  f"got {tuple(weights.shape)}")
         if self.norm_kind is None or not len(alphas) or not K:
@@ -1389,7 +1407,6 @@ def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.
 # does not depend on alpha that is ``<delta_k, gbar>`` with ``gbar = sum_s w_s grad f(point_s)``.
 
 COMPONENT_RESOLUTIONS = ("head", "neuron", "both")
-_GRADIENT_ESTIMATORS = tuple(e for e in ESTIMATORS if e != "prediction_aware")
 
 
 def _post_norm_map(post: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
@@ -1518,8 +1535,11 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         trace: from :func:`collect_components`.
         resolution: ``"head"``, ``"neuron"`` or ``"both"``.
         steps: m, quadrature points per segment (>= 1).
-        estimator: a gradient estimator of :data:`ESTIMATORS` (not ``"prediction_aware"``, which
-            has no gradient to split).
+        estimator: one of :data:`ESTIMATORS`. The gradient estimators integrate as above;
+            ``"prediction_aware"`` splits the observed change of each of m uniform steps,
+            ``f(beta_s) - f(beta_(s-1))``, among the parts in proportion to ``<delta_k, grad f>`` at
+            the step's midpoint: the parts then add up to ``f(b) - f(a)`` exactly at every m (up to
+            float rounding), and each share tends to the same integral as m grows.
         readout: a :class:`Readout` to reuse (memory budget).
 
     Returns:
@@ -1529,8 +1549,8 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         raise ValueError(f"resolution must be one of {COMPONENT_RESOLUTIONS}, got {resolution!r}")
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    if estimator not in _GRADIENT_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {_GRADIENT_ESTIMATORS}, got {estimator!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons")}[resolution]
     missing = [name for name in ("mid",) + wanted if getattr(trace, name) is None]
     if missing:
@@ -1540,7 +1560,10 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
     n = trace.n_layers
     ends, _, _ = path_nodes(trace, list(range(1, n + 1)), "sublayer")
     nodes = torch.cat([trace.hidden[:1], ends]).to(readout.dtype)  # (2n+1, T, d)
-    alphas, weights = quadrature(estimator, int(steps))
+    if estimator == "prediction_aware":  # m uniform steps, each split at its midpoint
+        alphas, weights = (torch.arange(int(steps), dtype=torch.float64) + 0.5) / int(steps), "observed"
+    else:
+        alphas, weights = quadrature(estimator, int(steps))
     gbar, lens = readout.along_segments(nodes, trace.targets, alphas, weights=weights)  # (2n, T, d)
     lens = lens.T.double()  # (T, 2n+1)
     terms = (lens[:, 1:] - lens[:, :-1]).view(-1, n, 2)  # (T, n, 2) exact attention, MLP terms

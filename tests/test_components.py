@@ -171,6 +171,23 @@ def test_float64_reaches_the_float_floor(arch):
     assert fine.heads.dtype == torch.float64
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "gemma3"])
+def test_prediction_aware_split_is_complete_at_every_m(arch):
+    dtype = torch.float64 if arch == "gpt2" else torch.float32  # RMSNorms compute in float32 anyway
+    model = sharp_model(arch, dtype=dtype)
+    trace = trace_of(model, seed=5)
+    reference = ig.components(model, trace, steps=64)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    gaps = []
+    for m in (1, 3, 24):
+        split = ig.components(model, trace, steps=m, estimator="prediction_aware")
+        assert split.residual_heads < tol and split.residual_neurons < tol, (m, split.residual_heads)
+        gaps.append(float((split.neurons - reference.neurons).abs().max()))
+    coarse = ig.components(model, trace, steps=1)
+    assert max(coarse.residual_heads, coarse.residual_neurons) > 100 * tol  # Gauss-Legendre at m=1 is not
+    assert gaps[0] > gaps[2] and gaps[2] < 1e-4, gaps  # the shares converge to the integral
+
+
 def test_resolution_picks_the_split(case):
     arch, model, trace = case
     both = ig.components(model, trace, steps=8)
@@ -205,7 +222,7 @@ def test_bad_input():
         with pytest.raises(ValueError, match="steps must be an integer >= 1"):
             ig.components(model, trace, steps=steps)
     with pytest.raises(ValueError, match="estimator must be one of"):
-        ig.components(model, trace, estimator="prediction_aware")
+        ig.components(model, trace, estimator="simpson")
     plain = ig.collect(model, trace.input_ids, trace.prompt_len, sublayer=True)
     with pytest.raises(ValueError, match="collect_components"):
         ig.components(model, plain)
