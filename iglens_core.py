@@ -6,7 +6,8 @@ One plain module. Sections, in reading order:
 2. architecture adapters (where the blocks, the final norm and the head live)
 3. prompts and the collector (one forward pass -> a ``Trace``)
 4. the head-once readout ``Readout``
-5. the integrator and its estimators (``ig_lens`` -> ``Attribution``)
+5. the integrator and its estimators (``ig_lens`` -> ``Attribution``), and the split of each
+   sublayer term into attention heads and MLP neurons (``components`` -> ``Components``)
 6. plotting and figures
 7. command line
 
