@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from iglens_core import (CACHE_DIR, Adapter, Readout, Trace, _first_attr, _first_output,
-                         _hidden_arg, check_layers, collect, get_adapter, precision)
+                         _hidden_arg, _projection, _projection_weight, check_layers, collect,
+                         component_terms, get_adapter, precision)
 
 # ---------------------------------------------------------------------------
 # 1. Comparisons: direct logit attribution, tuned lens, layer IG and conductance
@@ -697,6 +698,109 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
         p_ablated[chunk] = readout(hidden[:, positions], targets[None]).cpu().to(p_ablated.dtype)  # (B, T)
     p_final = readout(trace.hidden[-1], trace.targets).to(p_ablated.dtype)  # (T,)
     return p_final[:, None] - p_ablated.T
+
+
+# -- components: heads and neurons (notebook 07) ------------------------------------------------
+
+def _component_layout(model, adapter: Adapter, resolution: str):
+    """``(sublayer, projections, parts, width)``: per block the projection whose input holds the
+    parts, the number of parts (H heads or d_ff neurons) and the input columns of one part."""
+    if resolution not in ("head", "neuron"):
+        raise ValueError(f"resolution must be 'head' or 'neuron', got {resolution!r}")
+    sublayer = "attn" if resolution == "head" else "mlp"
+    projections = [_projection(block, sublayer)[0] for block in adapter.blocks]
+    inputs = _projection_weight(projections[0])[0].shape[1]
+    config = getattr(model.config, "text_config", None) or model.config
+    parts = _first_attr(config, ("num_attention_heads", "n_head")) if sublayer == "attn" else inputs
+    return sublayer, projections, parts, inputs // parts
+
+
+def component_dla(model, trace: Trace, *, resolution: str = "head") -> torch.Tensor:
+    """Direct logit attribution of every head (or MLP neuron) of every block, in logits.
+
+    Part k's output ``delta_k`` (a head through its slice of the output projection, or a neuron
+    times its column of the down projection; through the post-norm's diagonal map on Gemma; the
+    bias last) read through the final norm frozen at ``h_n`` onto the target's unembedding row,
+    as :func:`direct_logit_attribution` reads a block: ``s <scale_t * P delta_k, W_U[y_t]>``.
+    Summed over the parts of both sublayers of block L it is that function's value for block L.
+
+    Args:
+        trace: from :func:`iglens_core.collect_components`.
+        resolution: ``"head"`` or ``"neuron"``.
+
+    Returns:
+        (T, n, H + 1) or (T, n, d_ff + 1) float64 logits (pre soft-cap).
+    """
+    adapter = get_adapter(model)
+    sublayer = _component_layout(model, adapter, resolution)[0]
+    scale, center, _ = _frozen_final_norm(adapter, trace.hidden[-1].double())
+    read = scale * adapter.head.weight.detach().double().cpu()[trace.targets]  # (T, d)
+    if center:  # <P x, r> = <x, P r>: P is the (symmetric) centring projection
+        read = read - read.mean(-1, keepdim=True)
+    return component_terms(model, trace, adapter.logit_scale * read, sublayer)[0]
+
+
+@torch.no_grad()
+def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, int]]], *,
+                       resolution: str = "head", mode: str = "zero", batch_size: int = 8) -> torch.Tensor:
+    """Drop in each target's probability when a set of heads (or neurons) is removed together.
+
+    A forward pre-hook on the output projection (or down projection) of each affected block
+    replaces the input columns of the removed parts at every position: by 0 (``"zero"``) or by
+    their mean over the sequence's positions (``"mean"``), and the whole model is rerun; the
+    effect is ``model_probs - p_ablated`` (positive: the parts helped). A total causal effect,
+    as :func:`ablation_effects`.
+
+    Args:
+        trace: from :func:`iglens_core.collect` (any trace of the model).
+        sets: one list of ``(block, index)`` pairs per ablation, ``block`` in ``1..n``, ``index``
+            the head in ``0..H-1`` or the neuron in ``0..d_ff-1``; an empty list ablates nothing.
+        resolution: ``"head"`` or ``"neuron"``.
+        mode: one of :data:`ABLATION_MODES`.
+        batch_size: ablations (sequence copies) per forward pass, >= 1.
+
+    Returns:
+        (T, len(sets)) probability drops, float32 (float64 for a float64 model).
+    """
+    if mode not in ABLATION_MODES:
+        raise ValueError(f"mode must be one of {ABLATION_MODES}, got {mode!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    _, projections, parts, width = _component_layout(model, adapter, resolution)
+    sets = [[(int(block), int(index)) for block, index in chosen] for chosen in sets]
+    bad = [pair for chosen in sets for pair in chosen if not (1 <= pair[0] <= n and 0 <= pair[1] < parts)]
+    if bad:
+        raise ValueError(f"sets must hold (block, index) pairs with block in 1..{n} and index in "
+                         f"0..{parts - 1}, got {bad[:5]}")
+    device = next(model.parameters()).device
+    ids, positions, targets = (trace.input_ids.to(device), trace.positions.to(device),
+                               trace.targets.to(device))
+    out = torch.empty(len(sets), len(targets), dtype=precision(next(model.parameters()).dtype))
+    for start in range(0, len(sets), batch_size):
+        chunk = sets[start:start + batch_size]
+        keep = torch.ones(n, len(chunk), parts * width)  # (n, B, P) 1 = kept input column
+        for row, chosen in enumerate(chunk):
+            for block, index in chosen:
+                keep[block - 1, row, index * width:(index + 1) * width] = 0
+
+        def hook(module, args, layer):
+            x = args[0]
+            kept = keep[layer].to(x)[:, None, :]  # (B, 1, P)
+            fill = x.mean(1, keepdim=True) * (1 - kept) if mode == "mean" else 0.0
+            return (x * kept + fill,) + tuple(args[1:])
+
+        hooks = [projections[layer].register_forward_pre_hook(lambda mod, args, layer=layer: hook(mod, args, layer))
+                 for layer in range(n) if (keep[layer] == 0).any()]
+        try:
+            logits = model(ids.expand(len(chunk), -1), use_cache=False).logits[:, positions]  # (B, T, V)
+        finally:
+            for handle in hooks:
+                handle.remove()
+        logp = torch.log_softmax(logits.to(out.dtype), -1)
+        out[start:start + len(chunk)] = logp.gather(-1, targets[None, :, None].expand(len(chunk), -1, 1))[..., 0].exp().cpu()
+    return trace.model_probs.to(out.dtype)[:, None] - out.T
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,8 @@ One plain module. Sections, in reading order:
 2. architecture adapters (where the blocks, the final norm and the head live)
 3. prompts and the collector (one forward pass -> a ``Trace``)
 4. the head-once readout ``Readout``
-5. the integrator and its estimators (``ig_lens`` -> ``Attribution``)
+5. the integrator and its estimators (``ig_lens`` -> ``Attribution``), and the split of each
+   sublayer term into attention heads and MLP neurons (``components`` -> ``Components``)
 6. datasets (``attribute_dataset``: batched, resumable, on one process or many)
 7. plotting and figures
 8. command line
@@ -508,6 +509,10 @@ class Trace:
         model_probs: (T,) the model's own softmax probability of each target.
         mid: (n, T, d) or None. With ``sublayer=True``: the residual between attention and MLP
             of each block.
+        heads: (n, T, H * head_dim) or None. From :func:`collect_components`: the input of each
+            block's attention output projection (the heads' outputs side by side).
+        neurons: (n, T, d_ff) or None. From :func:`collect_components`: the input of each block's
+            MLP down projection (one activation per neuron).
     """
     input_ids: torch.Tensor
     prompt_len: int
@@ -516,6 +521,8 @@ class Trace:
     hidden: torch.Tensor
     model_probs: torch.Tensor
     mid: Optional[torch.Tensor] = None
+    heads: Optional[torch.Tensor] = None
+    neurons: Optional[torch.Tensor] = None
 
     @property
     def n_layers(self) -> int:
@@ -736,6 +743,77 @@ def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> l
     return hooks
 
 
+# Components of a sublayer: the attention output projection (its input holds the H heads'
+# outputs side by side) and the MLP down projection (its input holds one activation per neuron).
+_ATTENTIONS = ("self_attn", "attn", "attention")
+_MLPS = ("mlp", "feed_forward")
+_OUT_PROJS = ("o_proj", "c_proj", "dense", "out_proj")
+_DOWN_PROJS = ("down_proj", "c_proj", "dense_4h_to_h", "fc2")
+
+
+def _projection(block: nn.Module, sublayer: str) -> tuple[nn.Module, Optional[nn.Module]]:
+    """The output projection of a block's ``"attn"`` or ``"mlp"`` sublayer, and the norm that acts
+    on the sublayer's output before the residual add (Gemma 2/3), or None."""
+    outer = _first_attr(block, _ATTENTIONS if sublayer == "attn" else _MLPS)
+    names = _OUT_PROJS if sublayer == "attn" else _DOWN_PROJS
+    proj = _first_attr(outer, names) if outer is not None else None
+    if proj is None or not isinstance(getattr(proj, "weight", None), torch.Tensor):
+        raise ValueError(f"cannot find the {sublayer} output projection of block "
+                         f"{type(block).__name__} (looked for {names})")
+    if sublayer == "attn":  # Llama's post_attention_layernorm is its pre-MLP norm; Gemma's is not
+        post = block.post_attention_layernorm if hasattr(block, "pre_feedforward_layernorm") else None
+    else:
+        post = getattr(block, "post_feedforward_layernorm", None)
+    return proj, post
+
+
+def _projection_weight(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(W (d, P), bias (d,) or None)`` with ``proj(x) = W x + bias``; GPT-2's Conv1D stores W^T."""
+    weight = proj.weight.detach()
+    if not isinstance(proj, nn.Linear) and type(proj).__name__ == "Conv1D":
+        weight = weight.T
+    bias = getattr(proj, "bias", None)
+    return weight, (bias.detach() if isinstance(bias, torch.Tensor) else None)
+
+
+@torch.no_grad()
+def collect_components(model, input_ids: torch.Tensor, prompt_len: int) -> Trace:
+    """:func:`collect` with ``sublayer=True``, plus every head's and every neuron's activation.
+
+    In the same forward pass, forward pre-hooks on each block's attention output projection
+    (``o_proj``, GPT-2 ``attn.c_proj``, NeoX ``dense``) and MLP down projection (``down_proj``,
+    GPT-2 ``mlp.c_proj``, NeoX ``dense_4h_to_h``) record their inputs at the predicting positions
+    only: activations ``z`` (T, H * head_dim) and ``act`` (T, d_ff), not their (T, d_ff, d)
+    products; :func:`components` multiplies them by the weights when it needs them.
+
+    Returns:
+        A :class:`Trace` with ``mid``, ``heads`` (n, T, H * head_dim) and ``neurons`` (n, T, d_ff).
+    """
+    input_ids = _check_sequence(model, input_ids, prompt_len)
+    adapter = get_adapter(model)
+    positions = torch.arange(prompt_len - 1, input_ids.shape[1] - 1)
+    heads: list[Optional[torch.Tensor]] = [None] * adapter.n_layers
+    neurons: list[Optional[torch.Tensor]] = [None] * adapter.n_layers
+
+    def keeper(store, layer):
+        def hook(module, args):
+            x = args[0]
+            store[layer] = x[0, positions.to(x.device)].detach().to(precision(x.dtype)).cpu()
+        return hook
+
+    hooks = []
+    try:
+        for layer, block in enumerate(adapter.blocks):
+            for sublayer, store in (("attn", heads), ("mlp", neurons)):
+                hooks.append(_projection(block, sublayer)[0].register_forward_pre_hook(keeper(store, layer)))
+        trace = collect(model, input_ids, prompt_len, sublayer=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    trace.heads, trace.neurons = torch.stack(heads), torch.stack(neurons)
+    return trace
+
+
 # ---------------------------------------------------------------------------
 # 4. The head-once readout
 # ---------------------------------------------------------------------------
@@ -765,6 +843,7 @@ class Readout:
         self.norm_device = _execution_device(self.adapter.norm, self.device)
         self.norm_kind, self.norm_eps = _norm_form(self.adapter.norm, self.adapter.head)
         self._form_checked = False
+        self._norm_gain: Optional[torch.Tensor] = None
 
     def chunk_rows(self, extra_copies: int = 3) -> int:
         """Rows per chunk: logits plus ``extra_copies`` temporaries of the same size fit the budget.
@@ -972,9 +1051,101 @@ class Readout:
         p_y, t_y = probs.gather(-1, index)[..., 0], tangent.gather(-1, index)[..., 0]
         return p_y * (t_y - tangent.mul_(probs).sum(-1))  # see Readout.directional on the sum
 
+    def _gain(self) -> torch.Tensor:
+        """(d,) the final norm's elementwise gain ``G`` in ``norm(h) = s(h) G * P h + b``.
+
+        LayerNorm: its weight. RMSNorm (any gain convention: ``w`` or Gemma's ``1 + w``): read off
+        the norm itself, ``G = (norm(1) - norm(0)) / s(1)`` with ``1`` the all-ones vector."""
+        if self._norm_gain is None:
+            work = precision(self.dtype)
+            weight = getattr(self.adapter.norm, "weight", None)
+            if self.norm_kind == "layer":
+                gain = (weight.detach() if weight is not None
+                        else torch.ones(self.hidden_size, device=self.device))
+            else:
+                probe = torch.stack([torch.ones(self.hidden_size), torch.zeros(self.hidden_size)])
+                normed = self.adapter.norm(probe.to(self.norm_device, self.dtype)).to(work)
+                gain = (normed[0] - normed[1]) / self._scale(probe[:1].to(work))[0]
+            self._norm_gain = gain.to(self.device, work)
+        return self._norm_gain
+
+    def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, ids, offset):
+        """``sum_s w_s grad f(start + alpha_s (end - start))`` for a block of tokens, in closed form.
+
+        At a point ``h`` with head output ``s(h) Z(h) + c`` and logits ``z``, ``p = softmax(z)``:
+        ``grad f = J_norm(h)^T W^T q`` with ``q = (dz/du) p_y (e_y - p)`` (``dz/du`` the logit scale
+        and soft-cap derivative), and for ``norm(h) = s(h) G * P h + b``,
+        ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``. Since ``<G * P h, W^T q> = <Z(h), q>``
+        is V-wide and ``W^T`` is linear, the weighted sum over the grid needs one ``(V x d)`` product
+        per segment: ``P (G * W^T (sum_s w_s s_s q_s) - sum_s w_s s_s^3 <Z_s, q_s> P h_s / d)``.
+        The product is left to the caller (:meth:`_finish_gradients`), which batches many segments
+        into one: a few rows at a time it would read the whole head weight per segment.
+
+        ``weights="observed"`` (the prediction-aware split): ``alphas`` are the midpoints of ``m``
+        uniform steps, and step s gets the weight ``(f(beta_s) - f(beta_(s-1))) / <b - a, grad f(alpha_s)>``
+        so that ``<b - a, sum_s w_s grad f> = f(b) - f(a)`` exactly: each step's observed change is
+        split in proportion to the directional derivatives at its midpoint (a step whose slope is
+        below 1e-12 keeps the midpoint weight 1/m).
+
+        Args:
+            z_start, z_end: (b, V) node products; start, end: (b, d) working precision.
+            alphas: (m',) quadrature nodes; weights: (m',) their weights, or ``"observed"``.
+            ids: (b,); offset: (V,) or None.
+
+        Returns:
+            ``(summed (b, V), correction (b, d))``: ``sum_s w_s s_s q_s`` and the norm's second term.
+        """
+        delta = end - start
+        points = start[:, None] + alphas[None, :, None] * delta[:, None]  # (b, m', d)
+        scale = self._scale(points)  # (b, m')
+        mix = torch.stack([1 - alphas, alphas], -1)  # (m', 2)
+        head_out = torch.bmm(scale[..., None] * mix, torch.stack([z_start, z_end], 1))  # (b, m', V)
+        if offset is not None:
+            head_out += offset
+        logits = self._finish(head_out)  # the same tensor when there is no scale or soft-cap
+        index = ids[:, None, None].expand(-1, len(alphas), 1)
+        probs = torch.softmax(logits, -1)
+        p_y = probs.gather(-1, index)  # (b, m', 1)
+        chain = probs.mul_(-p_y).scatter_add_(-1, index, p_y)  # p_y (e_y - p), in place
+        chain = self._finish_tangent(chain, logits)  # (b, m', V) q: df/d(head output)
+        dots = (chain * head_out).sum(-1)  # (b, m') <s Z_s + c, q_s>
+        if offset is not None:
+            dots -= chain @ offset
+        dots /= scale  # <Z_s, q_s>
+        if isinstance(weights, str):  # "observed": the step's change over its midpoint slope
+            m = len(alphas)
+            bounds = torch.arange(m + 1, dtype=alphas.dtype, device=alphas.device) / m
+            change = self._segment(z_start, z_end, start, end, bounds, ids, offset, False).diff(dim=-1)
+            slope = (self._scale_slope(points, delta[:, None].expand_as(points), scale) * dots
+                     + scale * (chain * (z_end - z_start)[:, None]).sum(-1))  # (b, m) df/dalpha
+            steady = slope.abs() > 1e-12
+            weights = torch.where(steady, change / torch.where(steady, slope, 1.0), 1.0 / m)
+        summed = torch.bmm((weights * scale)[:, None, :], chain)[:, 0]  # (b, V), a sum over m' only
+        centred = points - points.mean(-1, keepdim=True) if self.norm_kind == "layer" else points
+        coef = weights * scale.pow(3) * dots / points.shape[-1]  # (b, m')
+        return summed, (coef[..., None] * centred).sum(1)
+
+    def _finish_gradients(self, pending: list, out: torch.Tensor) -> None:
+        """Write ``P (G * W^T summed - correction)`` into ``out[j, tokens]`` for every pending
+        ``(j, tokens, summed, correction)``, with one head product for all of them."""
+        if not pending:
+            return
+        weight = self.adapter.head.weight
+        summed = torch.cat([item[2] for item in pending])
+        back = (summed.to(weight.device, weight.dtype) @ weight).to(out)  # (rows, d)
+        grad = self._gain() * back - torch.cat([item[3] for item in pending]).to(out)
+        if self.norm_kind == "layer":
+            grad = grad - grad.mean(-1, keepdim=True)
+        row = 0
+        for j, tokens, part, _ in pending:
+            out[j, tokens] = grad[row:row + len(part)]
+            row += len(part)
+        pending.clear()
+
     @torch.no_grad()
     def along_segments(self, nodes: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
-                       *, slope: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, slope: bool = False,
+                       weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """f, or its slope, at ``h_j + alpha (h_(j+1) - h_j)`` for every segment j and alpha.
 
         The slope is ``df/dalpha = <h_(j+1) - h_j, grad f>`` (probability per unit of alpha). When
@@ -989,16 +1160,32 @@ class Readout:
             targets: (T,) token ids.
             alphas: (m',) positions along every segment.
             slope: return ``df/dalpha`` instead of f.
+            weights: (m',) quadrature weights: return the weighted gradient sum
+                ``sum_s w_s grad f(h_j + alpha_s (h_(j+1) - h_j))`` (K, T, d) instead (see
+                :meth:`_segment_gradient`; needs the ``s(h) A h + b`` form); ``"observed"``: the
+                prediction-aware weights, ``alphas`` the midpoints of m uniform steps.
 
         Returns:
-            ``(values (K, T, m'), lens (K+1, T))``: f or its slope on the segments, and f at the
-            nodes; float32 (float64 for a float64 model), on the CPU when ``nodes`` was.
+            ``(values (K, T, m'), lens (K+1, T))``: f or its slope on the segments (or the gradient
+            sums, (K, T, d)), and f at the nodes; float32 (float64 for a float64 model), on the
+            CPU when ``nodes`` was.
         """
         K, T, d = nodes.shape[0] - 1, nodes.shape[1], nodes.shape[2]
         work = precision(self.dtype)
         alphas = torch.as_tensor(alphas).to(self.device, work)
         if self.norm_kind is not None and not self._form_checked and len(alphas) and K:
-            self._check_form(nodes, targets, alphas, slope)
+            self._check_form(nodes, targets, alphas, slope or weights is not None)
+        if weights is not None:
+            if self.norm_kind is None:
+                raise ValueError(f"gradient sums need a final norm of the form s(h) A h + b (RMSNorm, "
+                                 f"LayerNorm) and a linear head; got {type(self.adapter.norm).__name__}"
+                                 f" and {type(self.adapter.head).__name__}")
+            weights = weights if isinstance(weights, str) else torch.as_tensor(weights).to(self.device, work)
+            if isinstance(weights, str) and weights != "observed":
+                raise ValueError(f"weights must be a tensor or 'observed', got {weights!r}")
+            if not isinstance(weights, str) and weights.shape != alphas.shape:
+                raise ValueError(f"weights must have the shape of alphas {tuple(alphas.shape)}, "
+                                 f"got {tuple(weights.shape)}")
         if self.norm_kind is None or not len(alphas) or not K:
             starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
             points = starts[:, :, None] + alphas.to(nodes)[None, None, :, None] * deltas[:, :, None]
@@ -1007,12 +1194,13 @@ class Readout:
                 return self.directional(points, deltas[:, :, None].expand_as(points),
                                         targets[None, :, None]), lens
             return self(points, targets[None, :, None]), lens
-        out = torch.empty(K, T, len(alphas), dtype=work, device=self.device)
+        out = torch.empty(K, T, len(alphas) if weights is None else d, dtype=work, device=self.device)
         lens = torch.empty(K + 1, T, dtype=work, device=self.device)
         half = max(1, self.chunk_rows() // 2)  # rows of node products, and of grid points
         block = max(1, min(T, half // len(alphas)))  # tokens per block: block * m' grid rows
         group = max(1, half // block)  # path nodes per product: group * block rows
         ids, offset = targets.to(self.device), self._head_offset()
+        pending, flush = [], max(64, half)  # gradient sums waiting for their head product
         for t0 in range(0, T, block):
             tokens = slice(t0, t0 + block)
             ends = nodes[:, tokens].to(self.device, work)  # (K+1, b, d)
@@ -1026,9 +1214,16 @@ class Readout:
                     z, f_nodes = self._node_products(new.reshape(-1, d), ids[tokens].repeat(len(new)), offset)
                     lens[len(products):len(products) + len(new), tokens] = f_nodes.reshape(len(new), b)
                     products += list(z.reshape(len(new), b, self.vocab_size).unbind(0))
-                out[j, tokens] = self._segment(products[j], products[j + 1], ends[j], ends[j + 1],
-                                               alphas, ids[tokens], offset, slope)
+                if weights is not None:
+                    pending.append((j, tokens) + self._segment_gradient(
+                        products[j], products[j + 1], ends[j], ends[j + 1], alphas, weights, ids[tokens], offset))
+                    if sum(len(item[2]) for item in pending) >= flush:
+                        self._finish_gradients(pending, out)
+                else:
+                    out[j, tokens] = self._segment(products[j], products[j + 1], ends[j], ends[j + 1],
+                                                   alphas, ids[tokens], offset, slope)
                 products[j] = None
+        self._finish_gradients(pending, out)
         return out.to(nodes.device), lens.to(nodes.device)
 
     def _check_form(self, nodes, targets, alphas, slope: bool) -> None:
@@ -1335,6 +1530,199 @@ def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.
     """(T, n+1) target probability read out of every block boundary, ``hidden[0]`` first."""
     readout = readout or Readout(model)
     return readout(trace.hidden, trace.targets[None]).T
+
+
+# -- components: every attention head and every MLP neuron ------------------------------------
+#
+# Within block L the attention increment is a sum of parts, one per head plus the bias:
+# ``mid - a = D (sum_h W_O[:, slice_h] z_h + b_O)``, and so is the MLP increment, one per neuron:
+# ``b - mid = D (sum_i act_i W_down[:, i] + b_down)``. ``D`` is the identity, or, where a norm acts
+# on the sublayer output (Gemma 2/3's post-attention / post-feedforward RMSNorm
+# ``N(u) = G * u / rms(u)``), the diagonal map ``diag(G / rms(u))`` at that position: rms(u) is
+# one number per position, so ``N(sum_k u_k) = sum_k G * u_k / rms(u)`` exactly. IG along the
+# straight segment credits part k with ``integral <delta_k, grad f> d alpha``, and since delta_k
+# does not depend on alpha that is ``<delta_k, gbar>`` with ``gbar = sum_s w_s grad f(point_s)``.
+
+COMPONENT_RESOLUTIONS = ("head", "neuron", "both")
+
+
+def _post_norm_map(post: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    """(T, d) the diagonal ``D = G / rms(u)`` of an RMSNorm ``post`` at the sublayer outputs ``u``.
+
+    ``G = (post(1) - post(0)) * sqrt(1 + eps)`` is read off the norm (any gain convention).
+
+    Raises:
+        ValueError: when ``D * u`` does not reproduce ``post(u)`` (not an RMSNorm).
+    """
+    eps = _first_attr(post, ("variance_epsilon", "eps"))
+    param = next(post.parameters())
+    probe = torch.stack([torch.ones(outputs.shape[-1]), torch.zeros(outputs.shape[-1])])
+    normed = post(probe.to(param.device, param.dtype)).to(outputs)
+    gain = (normed[0] - normed[1]) * math.sqrt(1.0 + float(eps or 0.0))
+    diagonal = gain * torch.rsqrt(outputs.pow(2).mean(-1, keepdim=True) + float(eps or 0.0))
+    actual = post(outputs.to(param.device, param.dtype)).to(outputs)
+    if not isinstance(eps, (int, float)) or not torch.allclose(
+            diagonal * outputs, actual, rtol=1e-3, atol=1e-4 * float(actual.abs().max()) + 1e-6):
+        raise ValueError(f"the norm {type(post).__name__} on the sublayer output is not an RMSNorm "
+                         "G * u / rms(u); its input cannot be split into parts")
+    return diagonal
+
+
+def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``<delta_k, v>`` for every part k of one sublayer of every block: heads or neurons, bias last.
+
+    Args:
+        trace: from :func:`collect_components`.
+        vectors: (n, T, d) or (T, d) one vector per block and token (the same for every block).
+        sublayer: ``"attn"`` (parts: the H heads, then the output bias) or ``"mlp"`` (the d_ff
+            neurons, then the bias). The bias part also carries nothing else: the parts rebuild
+            the increment, which the second return value lets a caller check.
+
+    Returns:
+        ``(terms (T, n, P + 1), increments (n, T, d))`` float64: the products, and each block's
+        increment rebuilt from its parts (``sum_k delta_k``).
+    """
+    if sublayer not in ("attn", "mlp"):
+        raise ValueError(f"sublayer must be 'attn' or 'mlp', got {sublayer!r}")
+    acts = trace.heads if sublayer == "attn" else trace.neurons
+    if acts is None:
+        raise ValueError(f"the trace has no {'heads' if sublayer == 'attn' else 'neurons'}: "
+                         "record it with collect_components(model, input_ids, prompt_len)")
+    adapter = get_adapter(model)
+    n, T = acts.shape[0], acts.shape[1]
+    vectors = torch.as_tensor(vectors).double().cpu()
+    vectors = vectors.expand(n, *vectors.shape[-2:]) if vectors.dim() == 2 else vectors
+    if vectors.shape[:2] != (n, T):
+        raise ValueError(f"vectors must have shape ({n}, {T}, d) or ({T}, d), got {tuple(vectors.shape)}")
+    config = getattr(model.config, "text_config", None) or model.config
+    groups = _first_attr(config, ("num_attention_heads", "n_head")) if sublayer == "attn" else acts.shape[-1]
+    terms, increments = [], []
+    for layer, block in enumerate(adapter.blocks):
+        proj, post = _projection(block, sublayer)
+        weight, bias = _projection_weight(proj)
+        weight = weight.double().cpu()  # (d, P)
+        bias = bias.double().cpu() if bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+        act = acts[layer].double()  # (T, P)
+        outputs = act @ weight.T + bias  # (T, d) the sublayer output before any post-norm
+        diagonal = _post_norm_map(post, outputs) if post is not None else torch.ones_like(outputs)
+        read = diagonal * vectors[layer]  # (T, d): D is diagonal, <D u, v> = <u, D v>
+        parts = (act * (read @ weight)).reshape(T, groups, -1).sum(-1)  # (T, H) or (T, d_ff)
+        terms.append(torch.cat([parts, (read * bias).sum(-1, keepdim=True)], -1))
+        increments.append(diagonal * outputs)
+    return torch.stack(terms, 1), torch.stack(increments)
+
+
+@dataclass
+class Components:
+    """IG-Lens at component resolution: every head's and every neuron's share of Δp.
+
+    Attributes:
+        heads: (T, n, H + 1) probability credited to each head of each block's attention, the
+            output bias last; or None (``resolution="neuron"``).
+        neurons: (T, n, d_ff + 1) the same for each MLP neuron, the down-projection bias last; or None.
+        attn: (T, n) the attention terms ``f(mid_L) - f(h_(L-1))`` the heads add up to.
+        mlp: (T, n) the MLP terms ``f(h_L) - f(mid_L)`` the neurons add up to.
+        residual_heads, residual_neurons: ``max |heads.sum(-1) - attn|`` (and for the neurons):
+            the quadrature error of the estimator (NaN when not computed).
+        rebuild: max over blocks and tokens of ``|sum_k delta_k - increment| / |increment|``, the
+            parts against the recorded residual stream (float rounding only).
+        lens: (T, 2n+1) ``f`` at ``h_0, mid_1, h_1, ..., mid_n, h_n``.
+        targets, positions: (T,); estimator, steps: how the integrals were computed.
+    """
+    heads: Optional[torch.Tensor]
+    neurons: Optional[torch.Tensor]
+    attn: torch.Tensor
+    mlp: torch.Tensor
+    residual_heads: float
+    residual_neurons: float
+    rebuild: float
+    lens: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    estimator: str
+    steps: int
+
+    @property
+    def delta_p(self) -> torch.Tensor:
+        """(T,) ``f(h_n) - f(h_0)``: the attention and MLP terms of all blocks add up to it."""
+        return self.lens[:, -1] - self.lens[:, 0]
+
+
+def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16,
+               estimator: str = "gauss_legendre", readout: Optional[Readout] = None) -> Components:
+    """Every attention head and every MLP neuron of every block, in probability, adding up.
+
+    Segments: the 2n sublayer segments of ``ig_lens(resolution="sublayer")``, ``h_(L-1) -> mid_L``
+    (attention) and ``mid_L -> h_L`` (MLP). Part k of a segment (a head's output through its slice
+    of the output projection, or a neuron's activation times its column of the down projection,
+    each through the post-norm's diagonal map where there is one; the bias last) gets
+    ``phi_k = sum_s w_s <delta_k, grad f(a + alpha_s (b - a))>``. The parts of a segment add up to
+    its gradient-estimator value, which tends to ``f(b) - f(a)`` as ``steps`` grows (Gauss-Legendre:
+    to the float floor by m of 16-64; ``residual_heads`` / ``residual_neurons`` report it).
+
+    Cost: the weighted gradient sum ``sum_s w_s grad f`` of every segment in closed form, with no
+    backward pass: one head product per path node and one per segment (:meth:`Readout._segment_gradient`),
+    then each block's shares from one (d x P) product with its projection weight. Never a backward
+    per component. Memory: grid points are chunked to the readout's ``memory_budget``; the trace
+    holds activations, (T, H * head_dim) and (T, d_ff) per block. Either resolution costs the same
+    gradient pass (all 2n segments); ``resolution`` picks what is split.
+
+    Args:
+        model: the causal LM that produced ``trace``.
+        trace: from :func:`collect_components`.
+        resolution: ``"head"``, ``"neuron"`` or ``"both"``.
+        steps: m, quadrature points per segment (>= 1).
+        estimator: one of :data:`ESTIMATORS`. The gradient estimators integrate as above;
+            ``"prediction_aware"`` splits the observed change of each of m uniform steps,
+            ``f(beta_s) - f(beta_(s-1))``, among the parts in proportion to ``<delta_k, grad f>`` at
+            the step's midpoint: the parts then add up to ``f(b) - f(a)`` exactly at every m (up to
+            float rounding), and each share tends to the same integral as m grows.
+        readout: a :class:`Readout` to reuse (memory budget).
+
+    Returns:
+        A :class:`Components`.
+    """
+    if resolution not in COMPONENT_RESOLUTIONS:
+        raise ValueError(f"resolution must be one of {COMPONENT_RESOLUTIONS}, got {resolution!r}")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons")}[resolution]
+    missing = [name for name in ("mid",) + wanted if getattr(trace, name) is None]
+    if missing:
+        raise ValueError(f"the trace has no {missing}: record it with collect_components(model, "
+                         "input_ids, prompt_len)")
+    readout = readout or Readout(model)
+    n = trace.n_layers
+    ends, _, _ = path_nodes(trace, list(range(1, n + 1)), "sublayer")
+    nodes = torch.cat([trace.hidden[:1], ends]).to(readout.dtype)  # (2n+1, T, d)
+    if estimator == "prediction_aware":  # m uniform steps, each split at its midpoint
+        alphas, weights = (torch.arange(int(steps), dtype=torch.float64) + 0.5) / int(steps), "observed"
+    else:
+        alphas, weights = quadrature(estimator, int(steps))
+    gbar, lens = readout.along_segments(nodes, trace.targets, alphas, weights=weights)  # (2n, T, d)
+    lens = lens.T.double()  # (T, 2n+1)
+    terms = (lens[:, 1:] - lens[:, :-1]).view(-1, n, 2)  # (T, n, 2) exact attention, MLP terms
+    out, residuals, rebuild = {}, {}, 0.0
+    for name, sublayer, col in (("heads", "attn", 0), ("neurons", "mlp", 1)):
+        if name not in wanted:
+            continue
+        shares, parts = component_terms(model, trace, gbar[col::2], sublayer)
+        start, end = (trace.hidden[:-1], trace.mid) if col == 0 else (trace.mid, trace.hidden[1:])
+        recorded = (end - start).double()  # (n, T, d)
+        gap = (parts - recorded).norm(dim=-1) / recorded.norm(dim=-1).clamp_min(1e-12)
+        rebuild = max(rebuild, float(gap.max()))
+        if rebuild > 1e-2:
+            raise ValueError(f"the {sublayer} parts do not rebuild the recorded increment (relative "
+                             f"gap {rebuild:.1e}): this block's sublayer output is not its "
+                             "projection's output (an unsupported architecture?)")
+        out[name] = shares.to(lens.dtype if readout.dtype == torch.float64 else torch.float32)
+        residuals[name] = float((shares.sum(-1) - terms[..., col]).abs().max())
+    work = torch.float64 if readout.dtype == torch.float64 else torch.float32
+    return Components(out.get("heads"), out.get("neurons"), terms[..., 0].to(work), terms[..., 1].to(work),
+                      residuals.get("heads", math.nan), residuals.get("neurons", math.nan), rebuild,
+                      lens.to(work), trace.targets, trace.positions, estimator, int(steps))
 
 
 # ---------------------------------------------------------------------------
