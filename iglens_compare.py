@@ -5,6 +5,7 @@ The method lives in :mod:`iglens_core`; this module imports it and holds, in rea
 1. comparisons: direct logit attribution (exact in logits, and read as probability), the tuned
    lens, captum's layer Integrated Gradients and layer conductance (notebook 04)
 2. causal references: block / attention / MLP ablation (``ablation_effects``, notebooks 05, 06)
+   and activation patching at the predicting position (``activation_patching``, notebook 05)
 3. onset metrics: Spearman per token, top-1 agreement, the falsification test, bootstrap intervals
 
 Shapes follow the core: ``T`` predicting positions, ``n`` blocks, ``d`` hidden size, ``V`` vocabulary.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -609,10 +611,11 @@ def _block_calls(model, adapter: Adapter, input_ids: torch.Tensor) -> list[tuple
     return calls
 
 
-def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor) -> torch.Tensor:
-    """Blocks ``first+1 .. n`` (0-based ``first``) on ``hidden`` (B, L, d), with the clean call's
-    other arguments (masks, rotary position embeddings: the same for every copy)."""
-    for layer in range(first, adapter.n_layers):
+def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor,
+                stop: Optional[int] = None) -> torch.Tensor:
+    """Blocks ``first+1 .. stop`` (0-based ``first``; ``stop`` default ``n``) on ``hidden`` (B, L, d),
+    with the clean call's other arguments (masks, rotary position embeddings: the same for every copy)."""
+    for layer in range(first, adapter.n_layers if stop is None else stop):
         args, kwargs = calls[layer]
         if args:
             out = adapter.blocks[layer](hidden, *args[1:], **kwargs)
@@ -697,6 +700,118 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
         p_ablated[chunk] = readout(hidden[:, positions], targets[None]).cpu().to(p_ablated.dtype)  # (B, T)
     p_final = readout(trace.hidden[-1], trace.targets).to(p_ablated.dtype)  # (T,)
     return p_final[:, None] - p_ablated.T
+
+
+# ---------------------------------------------------------------------------
+# 2b. Activation patching (restore the clean residual at the predicting position)
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Patching:
+    """Restoration curve of one target (:func:`activation_patching`).
+
+    Attributes:
+        probs: (n+1,) the clean target's probability when the corrupted run's ``h_L`` at the
+            predicting position is replaced by the clean run's, for ``L = 0..n`` (``L = 0``: the
+            embedding, the input of block 1; ``L = n``: the input of the final norm).
+        p_clean: the clean run's probability of the target (head-once readout of clean ``h_n``).
+        p_corrupted: the corrupted run's probability of the same (clean) target.
+    """
+    probs: torch.Tensor
+    p_clean: float
+    p_corrupted: float
+
+    @property
+    def restoration(self) -> torch.Tensor:
+        """(n+1,) float64 ``r(L) = (p_L - p') / (p_clean - p')``: 0 = nothing restored, 1 = all;
+        NaN where the corruption does not change the probability (``p_clean == p'``)."""
+        gap = self.p_clean - self.p_corrupted
+        if gap == 0.0:
+            return torch.full(self.probs.shape, math.nan, dtype=torch.float64)
+        return (self.probs.double() - self.p_corrupted) / gap
+
+    def half_layer(self, level: float = 0.5) -> int:
+        """First node ``L`` in ``0..n`` with ``r(L) >= level`` (``n`` always qualifies: ``r(n) = 1``);
+        -1 when the restoration is undefined (NaN)."""
+        return restoration_half(self.restoration[None], level)[0]
+
+
+def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
+    """(N,) first node ``L`` with ``r(L) >= level`` for each row of an (N, n+1) restoration array;
+    ``n`` where no node reaches it (only by rounding: ``r(n) = 1``); -1 for an all-NaN row."""
+    r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
+    if r.ndim != 2:
+        raise ValueError(f"restoration must have shape (N, n+1), got {r.shape}")
+    if not 0.0 < level <= 1.0:
+        raise ValueError(f"level must be in (0, 1], got {level}")
+    reached = r >= level - 1e-9
+    reached[:, -1] = True
+    out = reached.argmax(-1)
+    out[np.isnan(r).all(-1)] = -1
+    return out
+
+
+@torch.no_grad()
+def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, target: int = 0) -> Patching:
+    """Activation patching at the predicting position: from which layer on does it carry the answer?
+
+    ``corrupted_ids`` is a corrupted version of the clean sequence up to its predicting position
+    (e.g. another subject of the same relation, same template), *ending at* the position that
+    predicts ``trace.targets[target]``: the clean and corrupted sequences are aligned at their
+    last position (lengths may differ). The corrupted sequence runs once, recording every
+    block's input; then for each node ``L = 0..n`` the corrupted ``h_L`` at the last position is
+    replaced by the clean ``trace.hidden[L, target]`` and only the blocks after ``L`` run (all
+    ``n`` copies in one growing batch: copy ``L`` joins at block ``L+1``, the blocks below it
+    are the recorded corrupted run). Every other position keeps its corrupted values, which a
+    causal model never lets the last position change. The clean target's probability is read
+    with the head-once readout; node ``n`` is the clean ``h_n`` itself, so ``r(n) = 1``.
+
+    Cost: one corrupted forward pass plus ``n (n+1) / 2`` block calls, batched by layer.
+
+    Args:
+        model: the causal LM that produced ``trace``.
+        trace: from :func:`collect` on the clean sequence.
+        corrupted_ids: (1, L') or (L',) long, the corrupted sequence through its predicting position.
+        target: index into ``trace.targets`` (``0..T-1``) of the target to restore.
+
+    Returns:
+        :class:`Patching` with ``probs`` (n+1,) float32 (float64 for a float64 model).
+    """
+    targets = trace.targets
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < len(targets):
+        raise ValueError(f"target must be an index in 0..{len(targets) - 1}, got {target!r}")
+    ids = torch.as_tensor(corrupted_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"corrupted_ids must be (1, L') integer token ids with L' >= 1, got "
+                         f"shape {tuple(ids.shape)} dtype {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"corrupted_ids must be token ids in 0..{vocab - 1}, got {int(ids.min())}..{int(ids.max())}")
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    if trace.n_layers != n:
+        raise ValueError(f"trace has {trace.n_layers} blocks, the model {n}: not this model's trace")
+    readout = Readout(model)
+    device = next(model.parameters()).device
+    final: list = []
+    grab = adapter.norm.register_forward_pre_hook(
+        lambda module, args, kwargs: final.append(_hidden_arg(args, kwargs)[0, -1].detach()), with_kwargs=True)
+    try:
+        calls = _block_calls(model, adapter, ids.long().to(device))
+    finally:
+        grab.remove()
+    clean = trace.hidden[:, target]  # (n+1, d)
+    hidden = None
+    for layer in range(n):  # copy `layer` gets the clean h_layer and joins before block layer+1
+        fresh = _hidden_arg(*calls[layer])[:1].clone()  # (1, L', d)
+        fresh[:, -1] = clean[layer].to(fresh)
+        hidden = fresh if hidden is None else torch.cat([hidden, fresh])
+        hidden = _run_blocks(adapter, calls, layer, hidden, stop=layer + 1)
+    last = torch.cat([hidden[:, -1], clean[n][None].to(hidden), final[0][None].to(hidden)])  # (n+2, d)
+    probs = readout(last, targets[target]).cpu()
+    return Patching(probs=probs[:n + 1], p_clean=float(probs[n]), p_corrupted=float(probs[n + 1]))
 
 
 # ---------------------------------------------------------------------------
