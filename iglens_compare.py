@@ -611,11 +611,10 @@ def _block_calls(model, adapter: Adapter, input_ids: torch.Tensor) -> list[tuple
     return calls
 
 
-def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor,
-                stop: Optional[int] = None) -> torch.Tensor:
-    """Blocks ``first+1 .. stop`` (0-based ``first``; ``stop`` default ``n``) on ``hidden`` (B, L, d),
-    with the clean call's other arguments (masks, rotary position embeddings: the same for every copy)."""
-    for layer in range(first, adapter.n_layers if stop is None else stop):
+def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Blocks ``first+1 .. n`` (0-based ``first``) on ``hidden`` (B, L, d), with the clean call's
+    other arguments (masks, rotary position embeddings: the same for every copy)."""
+    for layer in range(first, adapter.n_layers):
         args, kwargs = calls[layer]
         if args:
             out = adapter.blocks[layer](hidden, *args[1:], **kwargs)
@@ -751,6 +750,15 @@ def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
     return out
 
 
+def _splice_last(row: int, value: torch.Tensor):
+    """Forward pre-hook: the input of a block (or the final norm) with ``hidden[row, -1] = value``."""
+    def hook(module, args, kwargs):
+        hidden = _hidden_arg(args, kwargs).clone()
+        hidden[row, -1] = value.to(hidden)
+        return ((hidden,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+    return hook
+
+
 @torch.no_grad()
 def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, target: int = 0) -> Patching:
     """Activation patching at the predicting position: from which layer on does it carry the answer?
@@ -758,18 +766,21 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
     ``corrupted_ids`` is a corrupted version of the clean sequence up to its predicting position
     (e.g. another subject of the same relation, same template), *ending at* the position that
     predicts ``trace.targets[target]``: the clean and corrupted sequences are aligned at their
-    last position (lengths may differ). The corrupted sequence runs once, recording every
-    block's input; then for each node ``L = 0..n`` the corrupted ``h_L`` at the last position is
-    replaced by the clean ``trace.hidden[L, target]`` and only the blocks after ``L`` run (all
-    ``n`` copies in one growing batch: copy ``L`` joins at block ``L+1``, the blocks below it
-    are the recorded corrupted run). Every other position keeps its corrupted values, which a
-    causal model never lets the last position change. The clean target's probability is read
-    with the head-once readout; node ``n`` is the clean ``h_n`` itself, so ``r(n) = 1``.
+    last position (their lengths may differ). For each node ``L = 0..n`` the corrupted run's
+    ``h_L`` at that last position is replaced by the clean ``trace.hidden[L, target]`` and the
+    later blocks run; every other position keeps its corrupted values (a causal model never
+    lets the last position change them), and the clean target's probability is read with the
+    head-once readout. Node ``n`` is the clean ``h_n`` itself, so ``r(n) = 1``.
 
-    Cost: one corrupted forward pass plus ``n (n+1) / 2`` block calls, batched by layer.
+    Cost: the corrupted prefix (every position but the last) runs once and its keys and values
+    are kept (the model's KV cache, shared by all copies); then one decoding step of ``n + 1``
+    copies of the last token, copy ``L < n`` spliced at the input of block ``L + 1`` and copy
+    ``n`` left corrupted (it gives ``p'``): about two forward passes in all, against ``n + 1``
+    spliced full forward passes. Copy ``L``'s blocks ``1..L`` see the corrupted token, as in
+    the corrupted run, so they are not an approximation.
 
     Args:
-        model: the causal LM that produced ``trace``.
+        model: the causal LM that produced ``trace`` (any architecture with a KV cache).
         trace: from :func:`collect` on the clean sequence.
         corrupted_ids: (1, L') or (L',) long, the corrupted sequence through its predicting position.
         target: index into ``trace.targets`` (``0..T-1``) of the target to restore.
@@ -783,34 +794,36 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
     ids = torch.as_tensor(corrupted_ids)
     if ids.ndim == 1:
         ids = ids[None]
-    vocab = model.get_input_embeddings().num_embeddings
     if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"corrupted_ids must be (1, L') integer token ids with L' >= 1, got "
                          f"shape {tuple(ids.shape)} dtype {ids.dtype}")
+    vocab = model.get_input_embeddings().num_embeddings
     if ids.min() < 0 or ids.max() >= vocab:
         raise ValueError(f"corrupted_ids must be token ids in 0..{vocab - 1}, got {int(ids.min())}..{int(ids.max())}")
     adapter = get_adapter(model)
     n = adapter.n_layers
     if trace.n_layers != n:
         raise ValueError(f"trace has {trace.n_layers} blocks, the model {n}: not this model's trace")
-    readout = Readout(model)
     device = next(model.parameters()).device
-    final: list = []
-    grab = adapter.norm.register_forward_pre_hook(
-        lambda module, args, kwargs: final.append(_hidden_arg(args, kwargs)[0, -1].detach()), with_kwargs=True)
-    try:
-        calls = _block_calls(model, adapter, ids.long().to(device))
-    finally:
-        grab.remove()
+    ids = ids.long().to(device)
+    cache = None
+    if ids.shape[1] > 1:  # keys and values of the corrupted prefix, one copy per restored node
+        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(n + 1)
     clean = trace.hidden[:, target]  # (n+1, d)
-    hidden = None
-    for layer in range(n):  # copy `layer` gets the clean h_layer and joins before block layer+1
-        fresh = _hidden_arg(*calls[layer])[:1].clone()  # (1, L', d)
-        fresh[:, -1] = clean[layer].to(fresh)
-        hidden = fresh if hidden is None else torch.cat([hidden, fresh])
-        hidden = _run_blocks(adapter, calls, layer, hidden, stop=layer + 1)
-    last = torch.cat([hidden[:, -1], clean[n][None].to(hidden), final[0][None].to(hidden)])  # (n+2, d)
-    probs = readout(last, targets[target]).cpu()
+    final: list = []
+    hooks = [block.register_forward_pre_hook(_splice_last(layer, clean[layer]), with_kwargs=True)
+             for layer, block in enumerate(adapter.blocks)]
+    hooks.append(adapter.norm.register_forward_pre_hook(
+        lambda module, args, kwargs: final.append(_hidden_arg(args, kwargs)[:, -1].detach()), with_kwargs=True))
+    try:
+        model(ids[:, -1:].expand(n + 1, 1), past_key_values=cache, use_cache=cache is not None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last = final[0]  # (n+1, d): rows 0..n-1 restored at node L, row n corrupted
+    last = torch.cat([last[:n], clean[n][None].to(last), last[n:]])  # (n+2, d)
+    probs = Readout(model)(last, targets[target]).cpu()
     return Patching(probs=probs[:n + 1], p_clean=float(probs[n]), p_corrupted=float(probs[n + 1]))
 
 
