@@ -750,6 +750,10 @@ def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
     return out
 
 
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once what it needs is recorded."""
+
+
 def _splice_last(row: int, value: torch.Tensor):
     """Forward pre-hook: the input of a block (or the final norm) with ``hidden[row, -1] = value``."""
     def hook(module, args, kwargs):
@@ -808,16 +812,22 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
     ids = ids.long().to(device)
     cache = None
     if ids.shape[1] > 1:  # keys and values of the corrupted prefix, one copy per restored node
-        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        cache = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
         cache.batch_repeat_interleave(n + 1)
     clean = trace.hidden[:, target]  # (n+1, d)
     final: list = []
+
+    def grab(module, args, kwargs):  # h_n of every copy; the final norm and the head are not needed
+        final.append(_hidden_arg(args, kwargs)[:, -1].detach())
+        raise _Stop
+
     hooks = [block.register_forward_pre_hook(_splice_last(layer, clean[layer]), with_kwargs=True)
              for layer, block in enumerate(adapter.blocks)]
-    hooks.append(adapter.norm.register_forward_pre_hook(
-        lambda module, args, kwargs: final.append(_hidden_arg(args, kwargs)[:, -1].detach()), with_kwargs=True))
+    hooks.append(adapter.norm.register_forward_pre_hook(grab, with_kwargs=True))
     try:
         model(ids[:, -1:].expand(n + 1, 1), past_key_values=cache, use_cache=cache is not None)
+    except _Stop:
+        pass
     finally:
         for hook in hooks:
             hook.remove()
