@@ -5,6 +5,7 @@ The method lives in :mod:`iglens_core`; this module imports it and holds, in rea
 1. comparisons: direct logit attribution (exact in logits, and read as probability), the tuned
    lens, captum's layer Integrated Gradients and layer conductance (notebook 04)
 2. causal references: block / attention / MLP ablation (``ablation_effects``, notebooks 05, 06)
+   and activation patching at the predicting position (``activation_patching``, notebook 05)
 3. onset metrics: Spearman per token, top-1 agreement, the falsification test, bootstrap intervals
 
 Shapes follow the core: ``T`` predicting positions, ``n`` blocks, ``d`` hidden size, ``V`` vocabulary.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -801,6 +803,142 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
         logp = torch.log_softmax(logits.to(out.dtype), -1)
         out[start:start + len(chunk)] = logp.gather(-1, targets[None, :, None].expand(len(chunk), -1, 1))[..., 0].exp().cpu()
     return trace.model_probs.to(out.dtype)[:, None] - out.T
+
+
+# ---------------------------------------------------------------------------
+# 2b. Activation patching (restore the clean residual at the predicting position)
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Patching:
+    """Restoration curve of one target (:func:`activation_patching`).
+
+    Attributes:
+        probs: (n+1,) the clean target's probability when the corrupted run's ``h_L`` at the
+            predicting position is replaced by the clean run's, for ``L = 0..n`` (``L = 0``: the
+            embedding, the input of block 1; ``L = n``: the input of the final norm).
+        p_clean: the clean run's probability of the target (head-once readout of clean ``h_n``).
+        p_corrupted: the corrupted run's probability of the same (clean) target.
+    """
+    probs: torch.Tensor
+    p_clean: float
+    p_corrupted: float
+
+    @property
+    def restoration(self) -> torch.Tensor:
+        """(n+1,) float64 ``r(L) = (p_L - p') / (p_clean - p')``: 0 = nothing restored, 1 = all;
+        NaN where the corruption does not change the probability (``p_clean == p'``)."""
+        gap = self.p_clean - self.p_corrupted
+        if gap == 0.0:
+            return torch.full(self.probs.shape, math.nan, dtype=torch.float64)
+        return (self.probs.double() - self.p_corrupted) / gap
+
+    def half_layer(self, level: float = 0.5) -> int:
+        """First node ``L`` in ``0..n`` with ``r(L) >= level`` (``n`` always qualifies: ``r(n) = 1``);
+        -1 when the restoration is undefined (NaN)."""
+        return restoration_half(self.restoration[None], level)[0]
+
+
+def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
+    """(N,) first node ``L`` with ``r(L) >= level`` for each row of an (N, n+1) restoration array;
+    ``n`` where no node reaches it (only by rounding: ``r(n) = 1``); -1 for an all-NaN row."""
+    r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
+    if r.ndim != 2:
+        raise ValueError(f"restoration must have shape (N, n+1), got {r.shape}")
+    if not 0.0 < level <= 1.0:
+        raise ValueError(f"level must be in (0, 1], got {level}")
+    reached = r >= level - 1e-9
+    reached[:, -1] = True
+    out = reached.argmax(-1)
+    out[np.isnan(r).all(-1)] = -1
+    return out
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once what it needs is recorded."""
+
+
+def _splice_last(row: int, value: torch.Tensor):
+    """Forward pre-hook: the input of a block (or the final norm) with ``hidden[row, -1] = value``."""
+    def hook(module, args, kwargs):
+        hidden = _hidden_arg(args, kwargs).clone()
+        hidden[row, -1] = value.to(hidden)
+        return ((hidden,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+    return hook
+
+
+@torch.no_grad()
+def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, target: int = 0) -> Patching:
+    """Activation patching at the predicting position: from which layer on does it carry the answer?
+
+    ``corrupted_ids`` is a corrupted version of the clean sequence up to its predicting position
+    (e.g. another subject of the same relation, same template), *ending at* the position that
+    predicts ``trace.targets[target]``: the clean and corrupted sequences are aligned at their
+    last position (their lengths may differ). For each node ``L = 0..n`` the corrupted run's
+    ``h_L`` at that last position is replaced by the clean ``trace.hidden[L, target]`` and the
+    later blocks run; every other position keeps its corrupted values (a causal model never
+    lets the last position change them), and the clean target's probability is read with the
+    head-once readout. Node ``n`` is the clean ``h_n`` itself, so ``r(n) = 1``.
+
+    Cost: the corrupted prefix (every position but the last) runs once and its keys and values
+    are kept (the model's KV cache, shared by all copies); then one decoding step of ``n + 1``
+    copies of the last token, copy ``L < n`` spliced at the input of block ``L + 1`` and copy
+    ``n`` left corrupted (it gives ``p'``): about two forward passes in all, against ``n + 1``
+    spliced full forward passes. Copy ``L``'s blocks ``1..L`` see the corrupted token, as in
+    the corrupted run, so they are not an approximation.
+
+    Args:
+        model: the causal LM that produced ``trace`` (any architecture with a KV cache).
+        trace: from :func:`collect` on the clean sequence.
+        corrupted_ids: (1, L') or (L',) long, the corrupted sequence through its predicting position.
+        target: index into ``trace.targets`` (``0..T-1``) of the target to restore.
+
+    Returns:
+        :class:`Patching` with ``probs`` (n+1,) float32 (float64 for a float64 model).
+    """
+    targets = trace.targets
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < len(targets):
+        raise ValueError(f"target must be an index in 0..{len(targets) - 1}, got {target!r}")
+    ids = torch.as_tensor(corrupted_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"corrupted_ids must be (1, L') integer token ids with L' >= 1, got "
+                         f"shape {tuple(ids.shape)} dtype {ids.dtype}")
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"corrupted_ids must be token ids in 0..{vocab - 1}, got {int(ids.min())}..{int(ids.max())}")
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    if trace.n_layers != n:
+        raise ValueError(f"trace has {trace.n_layers} blocks, the model {n}: not this model's trace")
+    device = next(model.parameters()).device
+    ids = ids.long().to(device)
+    cache = None
+    if ids.shape[1] > 1:  # keys and values of the corrupted prefix, one copy per restored node
+        cache = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_repeat_interleave(n + 1)
+    clean = trace.hidden[:, target]  # (n+1, d)
+    final: list = []
+
+    def grab(module, args, kwargs):  # h_n of every copy; the final norm and the head are not needed
+        final.append(_hidden_arg(args, kwargs)[:, -1].detach())
+        raise _Stop
+
+    hooks = [block.register_forward_pre_hook(_splice_last(layer, clean[layer]), with_kwargs=True)
+             for layer, block in enumerate(adapter.blocks)]
+    hooks.append(adapter.norm.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        model(ids[:, -1:].expand(n + 1, 1), past_key_values=cache, use_cache=cache is not None)
+    except _Stop:
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last = final[0]  # (n+1, d): rows 0..n-1 restored at node L, row n corrupted
+    last = torch.cat([last[:n], clean[n][None].to(last), last[n:]])  # (n+2, d)
+    probs = Readout(model)(last, targets[target]).cpu()
+    return Patching(probs=probs[:n + 1], p_clean=float(probs[n]), p_corrupted=float(probs[n + 1]))
 
 
 # ---------------------------------------------------------------------------

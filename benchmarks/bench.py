@@ -24,6 +24,10 @@ Items, in the order of the issue:
     teacher-forced, against the plain per-item loop (encode + collect + ig_lens), against its
     floor (block FLOPs over every position + the head over the T(n+1) path nodes at the plain
     matmul rate), its peak memory at two dataset sizes, and 2 processes (torchrun) against 1;
+11. components (issue 15): every head and every neuron of every block at m = 16 against reading
+    out the same grid, and against captum ``LayerIntegratedGradients`` over the same head and
+    neuron activations;
+12. activation patching of every node of one fact against a loop of spliced full forward passes;
 
 and the levers measured for the readout (node products, chunk rows, log-softmax vs logsumexp,
 the tangent's product, inference mode).
@@ -918,9 +922,51 @@ def ig_frozen(model):
     return cmp._frozen_parameters(model)
 
 
+def item12_patching(ctx) -> None:
+    """Activation patching of every node of one fact vs a naive loop of spliced full forward passes."""
+    import iglens_compare as cmp
+    model, tokenizer = ctx.model, ctx.tokenizer
+    ids, prompt_len = ig.encode(tokenizer, "What is the capital of France?", "The capital of France is Paris.")
+    focus = prompt_len + ig.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
+    trace = ig.collect(model, ids[:, :focus + 1], focus)
+    corrupted, _ = ig.encode(tokenizer, "What is the capital of Greece?", "The capital of Greece is Paris.")
+    corrupted = corrupted[:, :focus].to(ctx.device)  # same length: "Greece" and "France" are one token each
+    adapter = ig.get_adapter(model)
+    n = adapter.n_layers
+    target = int(trace.targets[0])
+
+    def naive():  # per node L: the whole corrupted sequence, h_L at the last position replaced by a hook
+        out = []
+        for layer in range(n + 1):
+            module = adapter.blocks[layer] if layer < n else adapter.norm
+            value = trace.hidden[layer, 0].to(ctx.device, ctx.dtype)
+
+            def hook(mod, args, kwargs, value=value):
+                hidden = (args[0] if args else kwargs["hidden_states"]).clone()
+                hidden[:, -1] = value
+                return ((hidden,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+            handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+            try:
+                logits = model(corrupted, use_cache=False).logits[0, -1].float()
+            finally:
+                handle.remove()
+            out.append(torch.softmax(logits, -1)[target])
+        return torch.stack(out).cpu()
+
+    ours = cmp.activation_patching(model, trace, corrupted).probs
+    gap = (ours.float() - naive()).abs().max().item()
+    best = best_of({"ours": lambda: cmp.activation_patching(model, trace, corrupted), "naive": naive},
+                   ctx.args.repeats, ctx.device)
+    ratio = best["naive"] / best["ours"]
+    add(f"12. activation patching of all {n + 1} nodes of one fact ({corrupted.shape[1]} tokens; corrupted prefix KV-cached, "
+        f"the n+1 copies in one decoding step) vs {n + 1} spliced full forward passes (probabilities agree to {gap:.0e})",
+        fmt_time(best["ours"]), fmt_time(best["naive"]), f"{ratio:.1f}x faster", ">= 5x", ratio >= 5)
+
+
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
          5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers,
-         10: item10_dataset, 11: item11_components}
+         10: item10_dataset, 11: item11_components,
+         12: item12_patching}
 
 
 def main(argv=None) -> int:
@@ -937,7 +983,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="item 6 at 64 tokens, longer sweeps")
     parser.add_argument("--facts", type=int, default=96, help="facts of item 10 (data/facts.csv)")
     parser.add_argument("--batch-size", type=int, default=16, help="items per batch of item 10")
-    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components)")
+    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:
