@@ -4,9 +4,12 @@ The method lives in :mod:`iglens_core`; this module imports it and holds, in rea
 
 1. comparisons: direct logit attribution (exact in logits, and read as probability), the tuned
    lens, captum's layer Integrated Gradients and layer conductance (notebook 04)
-2. causal references: block / attention / MLP ablation (``ablation_effects``, notebooks 05, 06)
-   and activation patching at the predicting position (``activation_patching``, notebook 05)
-3. onset metrics: Spearman per token, top-1 agreement, the falsification test, bootstrap intervals
+2. ablation: block / attention / MLP (``ablation_effects``, notebooks 05, 06), and per attention
+   head / MLP neuron the logit-space DLA (``component_dla``) and the ablation of sets of heads or
+   neurons (``component_ablation``, notebook 07): total effects through every later block
+3. activation patching: restore the clean residual at the predicting position, every layer in one
+   batch (``activation_patching`` -> ``Patching``, notebook 05)
+4. onset metrics: Spearman per token, top-1 agreement, the falsification test, bootstrap intervals
 
 Shapes follow the core: ``T`` predicting positions, ``n`` blocks, ``d`` hidden size, ``V`` vocabulary.
 """
@@ -24,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from iglens_core import (CACHE_DIR, Adapter, Readout, Trace, _first_attr, _first_output,
-                         _hidden_arg, _projection, _projection_weight, check_layers, collect,
+from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr,
+                         _first_output, _hidden_arg, _projection, _projection_weight, check_layers, collect,
                          component_terms, get_adapter, precision)
 
 # ---------------------------------------------------------------------------
@@ -561,13 +564,12 @@ def _check_captum(steps, method):
         raise ValueError(f"steps must be an integer >= {low} for {method}, got {steps!r}")
 
 
+# ---------------------------------------------------------------------------
 # 2. Ablation (total causal effect of a block, for the falsification test)
 # ---------------------------------------------------------------------------
 
 ABLATION_MODES = ("zero", "mean")
 ABLATION_PARTS = (None, "attn", "mlp")
-_ATTENTIONS = ("self_attn", "attn", "attention")
-_MLPS = ("mlp", "feed_forward")
 
 
 def _ablated_module(block: nn.Module, part: Optional[str]) -> nn.Module:
@@ -806,7 +808,7 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
 
 
 # ---------------------------------------------------------------------------
-# 2b. Activation patching (restore the clean residual at the predicting position)
+# 3. Activation patching (restore the clean residual at the predicting position)
 # ---------------------------------------------------------------------------
 
 @dataclass
@@ -942,7 +944,7 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
 
 
 # ---------------------------------------------------------------------------
-# 3. Onset metrics (does a per-layer score rank layers the way ablation does?)
+# 4. Onset metrics (does a per-layer score rank layers the way ablation does?)
 # ---------------------------------------------------------------------------
 
 def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
