@@ -1376,6 +1376,38 @@ class Attribution:
                                  onset=onset[t]))
         return pd.DataFrame(rows)
 
+    @classmethod
+    def from_frame(cls, frame, *, estimator: str = "prediction_aware", steps: int = 16,
+                   baseline: str = "embedding") -> "Attribution":
+        """One item's attribution rebuilt from its rows of a tidy table (:meth:`to_frame`, or
+        :func:`attribute_dataset` results filtered to one ``id``), e.g. to draw it again.
+
+        The table holds the target tokens as text only, so ``targets`` is all -1.
+
+        Raises:
+            ValueError: rows that do not form a full (token, segment) grid of one item.
+        """
+        if "id" in frame.columns and frame["id"].nunique() > 1:
+            raise ValueError(f"frame holds {frame['id'].nunique()} items; pass the rows of one id")
+        frame = frame.sort_values(["token_index", "segment"])
+        T, K = frame["token_index"].nunique(), frame["segment"].nunique()
+        if T * K != len(frame) or T == 0:
+            raise ValueError(f"frame has {len(frame)} rows, not a full grid of {T} tokens x {K} segments")
+
+        def grid(column: str) -> torch.Tensor:  # (T, K)
+            return torch.tensor(frame[column].to_numpy(), dtype=torch.float64).view(T, K)
+
+        values, lens_end = grid("value"), grid("lens_end")
+        lens = torch.cat([grid("lens_start")[:, :1], lens_end], 1)  # (T, K+1), the baseline first
+        first = frame[frame["segment"] == frame["segment"].min()]
+        p_base = torch.tensor(first["p_base"].to_numpy(), dtype=torch.float64)
+        p_final = torch.tensor(first["p_final"].to_numpy(), dtype=torch.float64)
+        residual = float((values.sum(-1) - (p_final - p_base)).abs().max())
+        return cls(values, [int(x) for x in frame["layer"].to_numpy()[:K]],
+                   [str(x) for x in frame["label"].to_numpy()[:K]], p_base, p_final, lens, residual,
+                   torch.full((T,), -1), torch.tensor(first["position"].to_numpy()), estimator,
+                   steps, baseline)
+
 
 def check_layers(layers: Optional[Sequence[int]], n_layers: int) -> list[int]:
     """Validate segment end layers (strictly increasing, in 1..n); append n when missing."""
@@ -2214,7 +2246,7 @@ def _html_views(attribution: Attribution, sublayer: Optional[Attribution],
 
 def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
             sublayer: Optional[Attribution] = None, views: Optional[Mapping[str, object]] = None,
-            title: str = "") -> Path:
+            title: str = "", plotlyjs: Union[bool, str] = True) -> Path:
     """Write one self-contained interactive HTML view of an attribution (opens offline).
 
     Plotly, with its JavaScript embedded in the file (about 5 MB): nothing loads from a network.
@@ -2232,6 +2264,9 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
             ``(values (T, K'), labels (K',))``, e.g. components of every block flattened to
             columns; an array view has no lens of its own and shows the first view's lens.
         title: the figure's title.
+        plotlyjs: ``True`` embeds plotly.js (one self-contained file); ``"directory"`` writes it
+            once as ``plotly.min.js`` beside the file and loads it from there (many views in one
+            folder, still offline).
 
     Returns:
         The path written.
@@ -2244,6 +2279,8 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
     out = _html_path(path)
+    if plotlyjs not in (True, "directory"):
+        raise ValueError(f"plotlyjs must be True or 'directory', got {plotlyjs!r}")
     tokens = list(tokens)
     T = attribution.values.shape[0]
     if len(tokens) != T:
@@ -2310,7 +2347,7 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
     fig.update_yaxes(tickmode="array", tickvals=list(range(T)),
                      ticktext=[html.escape(repr(token)[1:-1]) for token in tokens],
                      autorange="reversed", row=1, col=1)
-    fig.write_html(out, include_plotlyjs=True, full_html=True, div_id="iglens",
+    fig.write_html(out, include_plotlyjs=plotlyjs, full_html=True, div_id="iglens",
                    config={"displaylogo": False})
     return out
 
@@ -2357,7 +2394,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="with --dataset: items per batch")
     parser.add_argument("--resume", action="store_true", help="with --dataset: skip ids in OUT.parts/")
     parser.add_argument("--html", default=None, metavar="OUT.html",
-                        help="also write the interactive view (layer and sublayer) to this file")
+                        help="also write the interactive view (layer and sublayer) to this file; "
+                             "with --dataset a folder: one view per item, ID.html")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.dataset is None):
         parser.error("give exactly one of a prompt or --dataset FILE.csv")
@@ -2393,6 +2431,8 @@ def _main_dataset(args) -> int:
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # one GPU per process
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     try:
+        if args.html and not Path(args.html).is_dir():
+            raise ValueError(f"with --dataset, --html names an existing folder, got {args.html!r}")
         model, tokenizer = load_model(args.model, device=device)
         layers = [int(x) for x in args.layers.split(",")] if args.layers else None
         results, errors = attribute_dataset(
@@ -2412,7 +2452,26 @@ def _main_dataset(args) -> int:
         print(f"{results['id'].nunique()} items done, {len(errors)} failed, worst residual "
               f"{worst:.1e}, {stats['items_per_s']:.2f} items/s ({stats['items_run']} run in "
               f"{stats['seconds']:.1f} s)" + (f"; results in {args.out}" if args.out else ""))
+        if args.html:
+            print(f"interactive views: {len(_dataset_views(results, args))} files in {args.html}")
     return 0
+
+
+def _dataset_views(results, args) -> list[Path]:
+    """``--dataset --html DIR``: one view per item, ``DIR/<id>.html``, sharing one plotly.min.js."""
+    import re
+    written = []
+    for item, rows in results.groupby("id", sort=False):
+        attribution = Attribution.from_frame(rows, estimator=args.estimator, steps=args.steps,
+                                             baseline=args.baseline)
+        tokens = rows.sort_values(["token_index", "segment"]).drop_duplicates("token_index")["token"]
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(item))
+        if Path(args.html) / f"{name}.html" in written:  # two ids that differ only in odd characters
+            name += f"-{len(written)}"
+        written.append(to_html(attribution, tokens.tolist(), Path(args.html) / f"{name}.html",
+                               title=f"{item}: max |row sum - Δp| = {attribution.residual:.1e}",
+                               plotlyjs="directory"))
+    return written
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """attribute_dataset: batched == per item, bad rows, resume after a kill, 2 ranks == 1, offloading."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -205,3 +207,40 @@ def test_rank0_reports_shards_it_cannot_see(tmp_path, tokenizer, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"2 items have no shard .* every node shares"):
         ig.attribute_dataset(model, tokenizer, _facts(6).dropna(), layers=[2], steps=2, progress=False,
                              out=tmp_path / "out.parquet")
+
+
+def test_from_frame_rebuilds_the_attribution():
+    model = tiny_model("gpt2", seed=6)
+    attribution = ig.ig_lens(model, random_trace(model, seed=7), layers=[1, 2])
+    rebuilt = ig.Attribution.from_frame(attribution.to_frame())
+    torch.testing.assert_close(rebuilt.values, attribution.values.double())
+    torch.testing.assert_close(rebuilt.lens, attribution.lens.double())
+    torch.testing.assert_close(rebuilt.delta_p, attribution.delta_p.double())
+    assert rebuilt.layers == attribution.layers and rebuilt.labels == attribution.labels
+    assert abs(rebuilt.residual - attribution.residual) < 1e-7
+    with pytest.raises(ValueError, match="full grid"):
+        ig.Attribution.from_frame(attribution.to_frame().iloc[1:])
+    with pytest.raises(ValueError, match="one id"):
+        ig.Attribution.from_frame(pd.concat([attribution.to_frame().assign(id="a"),
+                                             attribution.to_frame().assign(id="b")]))
+
+
+def test_cli_html_per_item(tmp_path, model_dir, capsys):
+    from test_html import _figure
+    facts = _facts(3)
+    csv = tmp_path / "items.csv"
+    facts.to_csv(csv, index=False)
+    views = tmp_path / "views"
+    assert _run(model_dir, csv, tmp_path / "r.parquet", "--html", str(views)) == 2  # no such folder
+    assert "existing folder" in capsys.readouterr().err
+    views.mkdir()
+    assert _run(model_dir, csv, tmp_path / "r.parquet", "--html", str(views)) == 0
+    results = pd.read_parquet(tmp_path / "r.parquet")
+    assert sorted(p.name for p in views.iterdir()) == sorted([f"{i}.html" for i in facts["id"]] + ["plotly.min.js"])
+    for item, rows in results.groupby("id"):
+        text = (views / f"{item}.html").read_text(encoding="utf-8")
+        assert re.findall(r'<script[^>]*src="([^"]+)"', text) == ["plotly.min.js"]  # local, loaded offline
+        data, _ = _figure(text)
+        grid = rows.sort_values(["token_index", "segment"])
+        want = grid["value"].to_numpy().reshape(grid["token_index"].nunique(), -1)
+        np.testing.assert_allclose(np.array(data[0]["z"], dtype=float), want, rtol=1e-6, atol=1e-9)

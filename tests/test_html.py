@@ -96,6 +96,8 @@ def test_bad_input(tmp_path):
         ig.to_html(layer, tokens, tmp_path / "view.html", views={"other": other})
     with pytest.raises(ValueError, match=r"view 'parts' must be .* got values \(3, 2\) and 2 labels"):
         ig.to_html(layer, tokens, tmp_path / "view.html", views={"parts": (np.zeros((3, 2)), ["a", "b"])})
+    with pytest.raises(ValueError, match="plotlyjs must be True or 'directory', got 'cdn'"):
+        ig.to_html(layer, tokens, tmp_path / "view.html", plotlyjs="cdn")
     assert not (tmp_path / "view.html").exists()
 
 
