@@ -572,6 +572,13 @@ ABLATION_MODES = ("zero", "mean")
 ABLATION_PARTS = (None, "attn", "mlp")
 
 
+def _check_ablation(mode: str, batch_size: int) -> None:
+    if mode not in ABLATION_MODES:
+        raise ValueError(f"mode must be one of {ABLATION_MODES}, got {mode!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+
+
 def _ablated_module(block: nn.Module, part: Optional[str]) -> nn.Module:
     if part is None:
         return block
@@ -666,12 +673,9 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
     Returns:
         (T, len(layers)) float32 (float64 for a float64 model) probability drops.
     """
-    if mode not in ABLATION_MODES:
-        raise ValueError(f"mode must be one of {ABLATION_MODES}, got {mode!r}")
+    _check_ablation(mode, batch_size)
     if part not in ABLATION_PARTS:
         raise ValueError(f"part must be one of {ABLATION_PARTS}, got {part!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     adapter = get_adapter(model)
     n = adapter.n_layers
     if layers is None:
@@ -766,10 +770,7 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
     Returns:
         (T, len(sets)) probability drops, float32 (float64 for a float64 model).
     """
-    if mode not in ABLATION_MODES:
-        raise ValueError(f"mode must be one of {ABLATION_MODES}, got {mode!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    _check_ablation(mode, batch_size)
     adapter = get_adapter(model)
     n = adapter.n_layers
     _, projections, parts, width = _component_layout(model, adapter, resolution)
