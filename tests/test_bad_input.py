@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import iglens_core as ig
+import iglens_data as igd
+import iglens_plot as igp
 from conftest import random_trace, tiny_model
 
 
@@ -146,16 +148,16 @@ def test_heatmap_token_count(setup):
     matplotlib.use("Agg")
     attribution = ig.ig_lens(*setup)
     with pytest.raises(ValueError, match=r"one label per target token \(7\), got 2"):
-        ig.plot_heatmap(attribution, ["a", "b"])
+        igp.plot_heatmap(attribution, ["a", "b"])
 
 
 def test_bad_dataset(tmp_path, setup):
     model, _ = setup
     with pytest.raises(ValueError, match=r"needs a 'prompt' column, got columns \['question'\]"):
-        ig.attribute_dataset(model, None, {"question": ["Hi?"]})
+        igd.attribute_dataset(model, None, {"question": ["Hi?"]})
     with pytest.raises(ValueError, match=r"ids must be unique, these repeat: \['a'\]"):
-        ig.attribute_dataset(model, None, {"id": ["a", "a"], "prompt": ["x", "y"]})
+        igd.attribute_dataset(model, None, {"id": ["a", "a"], "prompt": ["x", "y"]})
     with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1, got 0"):
-        ig.attribute_dataset(model, None, {"prompt": ["x"]}, batch_size=0)
+        igd.attribute_dataset(model, None, {"prompt": ["x"]}, batch_size=0)
     with pytest.raises(ValueError, match=r"resume=True needs out="):
-        ig.attribute_dataset(model, None, {"prompt": ["x"]}, resume=True)
+        igd.attribute_dataset(model, None, {"prompt": ["x"]}, resume=True)

@@ -12,6 +12,8 @@ import torch
 import transformers
 
 import iglens_core as ig
+import iglens_cli as igcli
+import iglens_data as igd
 from conftest import random_trace, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +46,7 @@ def model_dir(tmp_path_factory, tokenizer):
 def test_batched_equals_per_item(tokenizer, arch, estimator, baseline):
     model = tiny_model(arch, seed=5, vocab_size=VOCAB)
     facts = _facts()
-    results, errors = ig.attribute_dataset(model, tokenizer, facts, layers=[2], steps=4,
+    results, errors = igd.attribute_dataset(model, tokenizer, facts, layers=[2], steps=4,
                                            estimator=estimator, baseline=baseline, batch_size=4,
                                            max_new_tokens=5, progress=False)
     assert errors.empty and list(results["id"].unique()) == list(facts["id"])
@@ -78,7 +80,7 @@ def _csv(tmp_path, facts=None):
 
 
 def _run(model_dir, csv, out, *more):
-    return ig.main(["--dataset", str(csv), "--out", str(out), "--model", str(model_dir), "--steps", "4",
+    return igcli.main(["--dataset", str(csv), "--out", str(out), "--model", str(model_dir), "--steps", "4",
                     "--layers", "1,2", "--batch-size", "2", "--max-new-tokens", "4", *more])
 
 
@@ -96,7 +98,7 @@ def test_cli_bad_rows_and_resume_after_kill(tmp_path, model_dir, monkeypatch, ca
     assert whole["residual"].max() < 1e-6
 
     written = []
-    real = ig._write_shard
+    real = igd._write_shard
 
     def dies_in_the_second_shard(frame, path):
         if path.name.endswith(".results.parquet"):
@@ -106,10 +108,10 @@ def test_cli_bad_rows_and_resume_after_kill(tmp_path, model_dir, monkeypatch, ca
             written.append(path)
         real(frame, path)
 
-    monkeypatch.setattr(ig, "_write_shard", dies_in_the_second_shard)
+    monkeypatch.setattr(igd, "_write_shard", dies_in_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
         _run(model_dir, csv, tmp_path / "killed.parquet")
-    monkeypatch.setattr(ig, "_write_shard", real)
+    monkeypatch.setattr(igd, "_write_shard", real)
     parts = tmp_path / "killed.parquet.parts"
     done = pd.read_parquet(next(parts.glob("*.results.parquet")))["id"].unique()
     assert len(done) == 2 and not (tmp_path / "killed.parquet").exists()
@@ -129,13 +131,13 @@ def test_two_processes_equal_one(tmp_path, model_dir):
     args = ["--dataset", str(csv), "--model", str(model_dir), "--steps", "4", "--batch-size", "2",
             "--max-new-tokens", "4"]
     torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "iglens_core.py"),
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "iglens_cli.py"),
                            *args, "--out", str(tmp_path / "two.parquet")], env=env, capture_output=True,
                           text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "7 items done, 3 failed" in done.stdout
     assert len(list((tmp_path / "two.parquet.parts").glob("rank0001-*"))) > 0  # rank 1 wrote its own
-    assert ig.main([*args, "--out", str(tmp_path / "one.parquet")]) == 0
+    assert igcli.main([*args, "--out", str(tmp_path / "one.parquet")]) == 0
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "two.parquet"),
                                   pd.read_parquet(tmp_path / "one.parquet"), atol=1e-6, rtol=1e-5)
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "two.errors.parquet"),
@@ -176,7 +178,7 @@ def test_an_item_failing_inside_a_batch_is_isolated(tokenizer, monkeypatch):
     """A ValueError inside a batch (e.g. NaN hidden states) costs only the item that raised it."""
     model = tiny_model("llama", seed=7, vocab_size=VOCAB)
     facts = _facts(5).dropna()
-    clean, _ = ig.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
+    clean, _ = igd.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
     poisoned = ig.encode(tokenizer, facts["prompt"].iloc[1], facts["answer"].iloc[1])[0][0]
     real = ig.collect_batch
 
@@ -185,8 +187,8 @@ def test_an_item_failing_inside_a_batch_is_isolated(tokenizer, monkeypatch):
             raise ValueError("the hidden states contain NaN or inf (poisoned)")
         return real(model, sequences, **kwargs)
 
-    monkeypatch.setattr(ig, "collect_batch", collect_batch)
-    results, errors = ig.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
+    monkeypatch.setattr(igd, "collect_batch", collect_batch)
+    results, errors = igd.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
     assert errors["id"].tolist() == [facts["id"].iloc[1]] and "poisoned" in errors["error"].iloc[0]
     pd.testing.assert_frame_equal(results, clean[clean["id"] != facts["id"].iloc[1]].reset_index(drop=True))
 
@@ -194,7 +196,7 @@ def test_an_item_failing_inside_a_batch_is_isolated(tokenizer, monkeypatch):
 def test_cli_needs_exactly_one_of_prompt_and_dataset(tmp_path, capsys):
     for argv in ([], ["Hi?", "--dataset", str(tmp_path / "x.csv")]):
         with pytest.raises(SystemExit) as stop:
-            ig.main(argv)
+            igcli.main(argv)
         assert stop.value.code == 2
         assert "exactly one of a prompt or --dataset" in capsys.readouterr().err
 
@@ -202,10 +204,10 @@ def test_cli_needs_exactly_one_of_prompt_and_dataset(tmp_path, capsys):
 def test_rank0_reports_shards_it_cannot_see(tmp_path, tokenizer, monkeypatch):
     """Two ranks whose shard folders differ (nodes without a shared file system): rank 0 says so."""
     model = tiny_model("llama", seed=8, vocab_size=VOCAB)
-    monkeypatch.setattr(ig, "distributed_rank", lambda: (0, 2))  # the other rank wrote elsewhere
-    monkeypatch.setattr(ig, "_barrier", lambda world: None)
+    monkeypatch.setattr(igd, "distributed_rank", lambda: (0, 2))  # the other rank wrote elsewhere
+    monkeypatch.setattr(igd, "_barrier", lambda world: None)
     with pytest.raises(FileNotFoundError, match=r"2 items have no shard .* every node shares"):
-        ig.attribute_dataset(model, tokenizer, _facts(6).dropna(), layers=[2], steps=2, progress=False,
+        igd.attribute_dataset(model, tokenizer, _facts(6).dropna(), layers=[2], steps=2, progress=False,
                              out=tmp_path / "out.parquet")
 
 

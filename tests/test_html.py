@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import iglens_core as ig
+import iglens_cli as igcli
+import iglens_plot as igp
 from conftest import random_trace, tiny_model
 
 
@@ -29,7 +31,7 @@ def written(tmp_path_factory):
     gen = torch.Generator().manual_seed(5)
     parts = torch.randn(len(trace.targets), 7, generator=gen)  # an array view, e.g. components
     tokens = [f"tok{t} <&>" for t in range(len(trace.targets))]
-    path = ig.to_html(layer, tokens, tmp_path_factory.mktemp("html") / "view.html",
+    path = igp.to_html(layer, tokens, tmp_path_factory.mktemp("html") / "view.html",
                       sublayer=sublayer, views={"parts": (parts, [f"c{i}" for i in range(7)])})
     return path, layer, sublayer, parts, tokens
 
@@ -85,19 +87,19 @@ def test_bad_input(tmp_path):
     layer = ig.ig_lens(model, trace)
     tokens = [str(t) for t in range(len(trace.targets))]
     with pytest.raises(ValueError, match=r"folder .*missing.* does not exist"):
-        ig.to_html(layer, tokens, tmp_path / "missing" / "view.html")
+        igp.to_html(layer, tokens, tmp_path / "missing" / "view.html")
     with pytest.raises(ValueError, match=r"path must name an \.html file, got '.*view\.png'"):
-        ig.to_html(layer, tokens, tmp_path / "view.png")
+        igp.to_html(layer, tokens, tmp_path / "view.png")
     with pytest.raises(ValueError, match=rf"tokens has {len(tokens) - 1} entries, the attribution "
                                          rf"T = {len(tokens)}"):
-        ig.to_html(layer, tokens[:-1], tmp_path / "view.html")
+        igp.to_html(layer, tokens[:-1], tmp_path / "view.html")
     other = ig.ig_lens(model, random_trace(model, seed=9))
     with pytest.raises(ValueError, match="view 'other' attributes targets"):
-        ig.to_html(layer, tokens, tmp_path / "view.html", views={"other": other})
+        igp.to_html(layer, tokens, tmp_path / "view.html", views={"other": other})
     with pytest.raises(ValueError, match=r"view 'parts' must be .* got values \(3, 2\) and 2 labels"):
-        ig.to_html(layer, tokens, tmp_path / "view.html", views={"parts": (np.zeros((3, 2)), ["a", "b"])})
+        igp.to_html(layer, tokens, tmp_path / "view.html", views={"parts": (np.zeros((3, 2)), ["a", "b"])})
     with pytest.raises(ValueError, match="plotlyjs must be True or 'directory', got 'cdn'"):
-        ig.to_html(layer, tokens, tmp_path / "view.html", plotlyjs="cdn")
+        igp.to_html(layer, tokens, tmp_path / "view.html", plotlyjs="cdn")
     assert not (tmp_path / "view.html").exists()
 
 
@@ -105,29 +107,29 @@ def test_cli_writes_the_view(tmp_path, monkeypatch, capsys):
     """``--html`` writes the layer and sublayer views of the prompt (model and tokenizer stubbed)."""
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
-    monkeypatch.setattr(ig, "encode", lambda *args, **kwargs: (ids, 4))
+    monkeypatch.setattr(igcli, "encode", lambda *args, **kwargs: (ids, 4))
     monkeypatch.setattr(ig.Trace, "tokens", lambda self, tokenizer: [str(t) for t in self.targets.tolist()])
 
     class Decode:
         def decode(self, ids):
             return str(list(ids))
-    monkeypatch.setattr(ig, "load_model", lambda name: (model, Decode()))
+    monkeypatch.setattr(igcli, "load_model", lambda name: (model, Decode()))
     out = tmp_path / "cli.html"
-    assert ig.main(["a prompt", "--html", str(out)]) == 0
+    assert igcli.main(["a prompt", "--html", str(out)]) == 0
     data, _ = _figure(out.read_text(encoding="utf-8"))
     trace = ig.collect(model, ids, 4, sublayer=True)
     expected = ig.ig_lens(model, trace, resolution="sublayer")
     sub = next(t for t in data if t["name"] == "sublayer" and "zmid" in t)
     np.testing.assert_allclose(np.array(sub["z"]), expected.values.numpy(), atol=1e-7, rtol=0)
-    assert ig.main(["a prompt", "--html", str(tmp_path / "cli.txt")]) == 2
+    assert igcli.main(["a prompt", "--html", str(tmp_path / "cli.txt")]) == 2
     assert "path must name an .html file" in capsys.readouterr().err
 
 
-def test_core_imports_without_plotly():
-    """plotly is imported inside to_html only: the core works where it is not installed."""
+def test_modules_import_without_plotly():
+    """plotly is imported inside to_html only: the core and the view module import without it."""
     import subprocess
     import sys
-    code = "import sys; sys.modules['plotly'] = None; import iglens_core; print(iglens_core.to_html)"
+    code = "import sys; sys.modules['plotly'] = None; import iglens_core, iglens_plot; print(iglens_plot.to_html)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=ig.ROOT, timeout=120)
     assert result.returncode == 0, result.stderr

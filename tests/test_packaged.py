@@ -2,6 +2,7 @@
 import torch
 
 import iglens_core as ig
+import iglens_cli as igcli
 
 
 def test_greedy_answer_equals_generate(packaged):
@@ -27,7 +28,7 @@ def test_chat_template_is_used(packaged):
 
 
 def test_command_line(capsys):
-    rc = ig.main(["What is the capital of Vietnam?", "--answer", "The capital of Vietnam is Hanoi.",
+    rc = igcli.main(["What is the capital of Vietnam?", "--answer", "The capital of Vietnam is Hanoi.",
                   "--layers", "10,20"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -41,7 +42,7 @@ def test_command_line(capsys):
 
 
 def test_command_line_bad_model(capsys):
-    assert ig.main(["Hi?", "--model", "no-such/model-xyz"]) == 2
+    assert igcli.main(["Hi?", "--model", "no-such/model-xyz"]) == 2
     assert "not available offline" in capsys.readouterr().err
 
 

@@ -1,0 +1,124 @@
+"""The ``iglens`` command: one prompt (a table, optionally the interactive view) or ``--dataset``.
+
+    iglens "What is the capital of Vietnam?" --html vietnam.html
+    iglens --dataset facts.csv --out facts.parquet --resume
+    python -m iglens_cli --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, Attribution, collect, encode, ig_lens,
+                         load_model)
+from iglens_data import attribute_dataset
+from iglens_plot import _html_path, format_table, to_html
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="IG-Lens: exact additive attribution of the answer probability to layers.")
+    parser.add_argument("prompt", nargs="?", help="the question or text (or use --dataset)")
+    parser.add_argument("--answer", default=None, help="teacher-forced answer (default: greedy)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, local dir or HF id")
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated segment end layers, e.g. 5,10,20 (default: all)")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--estimator", default="prediction_aware", choices=ESTIMATORS)
+    parser.add_argument("--baseline", default="embedding", choices=BASELINES)
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--dataset", default=None,
+                        help="CSV with a prompt column (optional answer, id): attribute every row")
+    parser.add_argument("--out", default=None, help="with --dataset: the results .parquet file")
+    parser.add_argument("--batch-size", type=int, default=16, help="with --dataset: items per batch")
+    parser.add_argument("--resume", action="store_true", help="with --dataset: skip ids in OUT.parts/")
+    parser.add_argument("--html", default=None, metavar="OUT.html",
+                        help="also write the interactive view (layer and sublayer) to this file; "
+                             "with --dataset a folder: one view per item, ID.html")
+    args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.dataset is None):
+        parser.error("give exactly one of a prompt or --dataset FILE.csv")
+    torch.set_grad_enabled(False)
+    if args.dataset is not None:
+        return _main_dataset(args)
+    try:
+        html_path = _html_path(args.html) if args.html else None  # a bad path fails before the work
+        model, tokenizer = load_model(args.model)
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+        input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
+                                       chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
+        trace = collect(model, input_ids, prompt_len, sublayer=html_path is not None)
+        attribution = ig_lens(model, trace, layers=layers, baseline=args.baseline,
+                              steps=args.steps, estimator=args.estimator)
+        sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
+                            estimator=args.estimator, resolution="sublayer")
+                    if html_path is not None else None)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    tokens = trace.tokens(tokenizer)
+    print(f"model: {args.model}   answer: {tokenizer.decode(trace.targets)!r}")
+    print(format_table(attribution, tokens))
+    if html_path is not None:
+        print(f"interactive view: {to_html(attribution, tokens, html_path, sublayer=sublayer)}")
+    return 0
+
+
+def _main_dataset(args) -> int:
+    """``--dataset``: :func:`attribute_dataset` and a one-line summary (rank 0 prints it)."""
+    device = None
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # one GPU per process
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    try:
+        if args.html and not Path(args.html).is_dir():
+            raise ValueError(f"with --dataset, --html names an existing folder, got {args.html!r}")
+        model, tokenizer = load_model(args.model, device=device)
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+        results, errors = attribute_dataset(
+            model, tokenizer, args.dataset, layers=layers, steps=args.steps,
+            estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
+            batch_size=args.batch_size, out=args.out, resume=args.resume,
+            max_new_tokens=args.max_new_tokens)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        stats = results.attrs
+        worst = float(results["residual"].max()) if len(results) else float("nan")
+        print(f"{results['id'].nunique()} items done, {len(errors)} failed, worst residual "
+              f"{worst:.1e}, {stats['items_per_s']:.2f} items/s ({stats['items_run']} run in "
+              f"{stats['seconds']:.1f} s)" + (f"; results in {args.out}" if args.out else ""))
+        if args.html:
+            print(f"interactive views: {len(_dataset_views(results, args))} files in {args.html}")
+    return 0
+
+
+def _dataset_views(results, args) -> list[Path]:
+    """``--dataset --html DIR``: one view per item, ``DIR/<id>.html``, sharing one plotly.min.js."""
+    import re
+    written = []
+    for item, rows in results.groupby("id", sort=False):
+        attribution = Attribution.from_frame(rows, estimator=args.estimator, steps=args.steps,
+                                             baseline=args.baseline)
+        tokens = rows.sort_values(["token_index", "segment"]).drop_duplicates("token_index")["token"]
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(item))
+        if Path(args.html) / f"{name}.html" in written:  # two ids that differ only in odd characters
+            name += f"-{len(written)}"
+        written.append(to_html(attribution, tokens.tolist(), Path(args.html) / f"{name}.html",
+                               title=f"{item}: max |row sum - Δp| = {attribution.residual:.1e}",
+                               plotlyjs="directory"))
+    return written
+
+
+if __name__ == "__main__":
+    sys.exit(main())

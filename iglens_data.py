@@ -1,0 +1,398 @@
+"""IG-Lens on datasets: many prompts in one call, batched, resumable, on one process or many.
+
+The method lives in :mod:`iglens_core`; this module imports it and holds what running it at scale
+needs: reading the input file, greedy answers in batches, :func:`ig_lens_batch` (one readout pass
+for a whole batch), parquet shards written atomically, ``resume``, and the split of items over the
+ranks of ``torchrun`` / ``accelerate``. :func:`attribute_dataset` is the entry point; the command
+line's ``--dataset`` calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_sequence, _check_steps,
+                         _context_length, _prompt_ids, check_layers, collect_batch, encode, ig_lens,
+                         stop_token_ids)
+
+
+def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[int]] = None,
+                  baseline: Union[str, torch.Tensor] = "embedding", steps: int = 16,
+                  estimator: str = "prediction_aware", profile: bool = False,
+                  readout: Optional[Readout] = None) -> list[Attribution]:
+    """:func:`ig_lens` of many traces in one pass; the same attributions, one per trace.
+
+    The traces' tokens are joined along ``T`` (the head-once readout treats every point on its
+    own), so the path nodes of all of them go through the readout in one chunked pass, then the
+    result is split back. Each part's ``residual`` is its own.
+
+    Args:
+        traces: from :func:`collect` / :func:`collect_batch`, same model.
+        baseline: a name of :data:`BASELINES` (``"mean"`` is each trace's own mean) or a (d,) tensor.
+        layers, steps, estimator, profile, readout: as in :func:`ig_lens` (layer resolution).
+
+    Returns:
+        One :class:`Attribution` per trace, in order.
+    """
+    if not traces:
+        return []
+    if isinstance(baseline, str) and baseline == "mean":  # per trace, then joined: (sum T, d)
+        baseline_name = "mean"
+        baseline = torch.cat([_baseline("mean", trace)[0] for trace in traces])
+    else:
+        baseline_name = None
+    sizes = [len(trace.targets) for trace in traces]
+    joined = Trace(traces[0].input_ids, traces[0].prompt_len,
+                   torch.cat([trace.targets for trace in traces]),
+                   torch.cat([trace.positions for trace in traces]),
+                   torch.cat([trace.hidden for trace in traces], 1),
+                   torch.cat([trace.model_probs for trace in traces]))
+    whole = ig_lens(model, joined, layers=layers, baseline=baseline, steps=steps,
+                    estimator=estimator, profile=profile, readout=readout)
+    parts, start = [], 0
+    for size in sizes:
+        cut = slice(start, start + size)
+        values, p_base, p_final = whole.values[cut], whole.p_base[cut], whole.p_final[cut]
+        residual = float((values.double().sum(-1) - (p_final.double() - p_base.double())).abs().max())
+        parts.append(Attribution(values, whole.layers, whole.labels, p_base, p_final, whole.lens[cut],
+                                 residual, whole.targets[cut], whole.positions[cut], whole.estimator,
+                                 whole.steps, baseline_name or whole.baseline,
+                                 whole.profile[cut] if whole.profile is not None else None))
+        start += size
+    return parts
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+                   batch_size: int = 16) -> list[list[int]]:
+    """:func:`greedy_answer` for many prompts, ``batch_size`` at a time, left-padded.
+
+    Prompts of similar length go together; each answer stops at its first stop token (not
+    included). Equal to one-at-a-time greedy decoding up to ties broken by float rounding.
+
+    Args:
+        prompts: token ids of each prompt.
+
+    Returns:
+        The new token ids of each prompt, in input order (possibly empty).
+    """
+    device = next(model.parameters()).device
+    stops = stop_token_ids(tokenizer)
+    pad = stops[0] if stops else (tokenizer.pad_token_id or 0)
+    context = _context_length(model)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
+            mask[row, width - len(prompts[i]):] = 1
+        new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - width)
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=stops or None, pad_token_id=pad,
+                             use_cache=True)
+        for row, i in enumerate(chunk):
+            new = out[row, width:].tolist()
+            cut = next((k for k, tok in enumerate(new) if tok in stops), len(new))
+            answers[i] = new[:cut]
+    return answers
+
+
+def read_items(items) -> "pd.DataFrame":
+    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``.
+
+    Args:
+        items: a CSV path or a DataFrame with a ``prompt`` column, an optional ``answer`` column
+            (empty or NaN: the model's greedy answer) and an optional ``id`` column (default:
+            the row number). Other columns are ignored.
+
+    Returns:
+        A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
+        ``answer`` (str, or None for greedy).
+
+    Raises:
+        ValueError: no ``prompt`` column, or repeated ids.
+    """
+    import pandas as pd
+    frame = (pd.read_csv(items, dtype=str, keep_default_na=False) if isinstance(items, (str, Path))
+             else pd.DataFrame(items))
+    if "prompt" not in frame.columns:
+        raise ValueError(f"the dataset needs a 'prompt' column, got columns {list(frame.columns)}")
+    ids = frame["id"] if "id" in frame.columns else pd.Series(range(len(frame)))
+    ids = [str(i) for i in ids]
+    repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
+    if repeated:
+        raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
+    answers = frame["answer"] if "answer" in frame.columns else [None] * len(frame)
+    blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
+    return pd.DataFrame(dict(row=range(len(frame)), id=ids,
+                             prompt=["" if blank(p) else str(p) for p in frame["prompt"]],
+                             answer=[None if blank(a) else str(a) for a in answers]))
+
+
+def distributed_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` from torch.distributed's environment (``RANK``, ``WORLD_SIZE``, set by
+    ``torchrun`` and ``accelerate launch``); ``(0, 1)`` outside them.
+
+    With ``WORLD_SIZE > 1`` and no process group yet, a gloo group is started (the ranks only
+    wait for each other at a barrier; gloo runs on CPUs and GPUs alike, over TCP between nodes)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK must lie in 0..{world - 1} (WORLD_SIZE={world}), got {rank}")
+    if world > 1:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+    return rank, world
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def _write_shard(frame, path: Path) -> None:
+    """Write one parquet shard atomically: a temporary file, renamed (a kill leaves no half shard)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    frame.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def _read_shards(parts: Path, kind: str, prefix: str = ""):
+    """All ``kind`` ("results" or "errors") shards whose name starts with ``prefix``, or None."""
+    import pandas as pd
+    files = sorted(parts.glob(f"{prefix}*.{kind}.parquet"))
+    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else None
+
+
+def _tables(results, errors):
+    """Results and errors frames (None: empty), without the shard column, in input order."""
+    import pandas as pd
+    results = results if results is not None else pd.DataFrame(columns=_RESULT_COLUMNS)
+    errors = errors if errors is not None else pd.DataFrame(columns=["row", "id", "error"])
+    results = results.drop(columns="shard", errors="ignore").sort_values(["row", "token_index", "segment"])
+    errors = errors.drop(columns="shard", errors="ignore").sort_values("row")
+    return results.reset_index(drop=True), errors.reset_index(drop=True)
+
+
+def errors_path(out: Union[str, Path]) -> Path:
+    """Where :func:`attribute_dataset` writes the errors table: ``X.parquet`` -> ``X.errors.parquet``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".errors" + (out.suffix or ".parquet"))
+
+
+def _merge_shards(parts: Path, out: Path):
+    """Rank 0: every shard -> the final results and errors files, each item exactly once."""
+    results, errors = _read_shards(parts, "results"), _read_shards(parts, "errors")
+    if results is not None:  # an id is in one shard only, unless two runs wrote the folder at once
+        results = results[results["shard"] == results.groupby("id")["shard"].transform("min")]
+    if errors is not None:
+        errors = errors.drop_duplicates("id")
+        errors = errors[~errors["id"].isin(set(results["id"]) if results is not None else set())]
+    results, errors = _tables(results, errors)
+    _write_shard(results, out)
+    _write_shard(errors, errors_path(out))
+    return results, errors
+
+
+_RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "layer", "label",
+                   "value", "lens_start", "lens_end", "p_base", "p_final", "delta_p", "onset",
+                   "residual", "shard"]
+
+
+def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str):
+    frame = attribution.to_frame(tokenizer)
+    frame.insert(0, "id", item_id)
+    frame.insert(0, "row", row)
+    frame["delta_p"] = frame["p_final"] - frame["p_base"]
+    frame["residual"] = attribution.residual
+    return frame
+
+
+def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]] = None,
+                      steps: int = 16, estimator: str = "prediction_aware",
+                      baseline: Union[str, torch.Tensor] = "embedding", chat: bool = True,
+                      batch_size: int = 16, out: Optional[Union[str, Path]] = None,
+                      resume: bool = False, max_new_tokens: int = 32, progress: bool = True,
+                      readout: Optional[Readout] = None):
+    """IG-Lens over a whole dataset: batched, written as it goes, resumable, split over ranks.
+
+    Items are tokenised (errors recorded per row), sorted by length and taken ``batch_size`` at
+    a time: the greedy answers of the batch's items without an answer are generated together
+    (:func:`greedy_answers`), the batch runs through one forward pass (:func:`collect_batch`,
+    logits only at the answer positions) and the path nodes of all its tokens through one
+    chunked readout pass (:func:`ig_lens_batch`). A bad row (empty prompt, longer than the
+    context, ids outside the vocabulary, an answer that tokenises to nothing, an empty greedy
+    answer) goes to the errors table with its message and never stops the run or leaves part
+    of an item behind.
+
+    With ``out``, every batch is written to the shard folder ``OUT.parts/`` as soon as it is
+    made (parquet, atomically: a temporary file renamed), and rank 0 merges the shards into
+    ``out`` and :func:`errors_path` ``(out)`` at the end; the shards stay, so a finished run
+    resumes as a no-op. ``resume=True`` skips every id already in a shard (results or errors);
+    without it, existing shards are deleted first. Under ``torchrun`` / ``accelerate launch``
+    (``WORLD_SIZE > 1``, see :func:`distributed_rank`) rank r takes the items ``i % world == r``,
+    writes its own shards, and rank 0 merges after a barrier. While the run goes, memory
+    holds one batch (the readout chunks within ``readout.memory_budget``), whatever the
+    dataset's size; the final merge holds the results table once.
+
+    Args:
+        model, tokenizer: from :func:`load_model`.
+        items: CSV path or DataFrame, see :func:`read_items`.
+        layers, steps, estimator, baseline: as in :func:`ig_lens` (``baseline``: a name or a
+            (d,) tensor).
+        chat: apply the chat template to each prompt.
+        batch_size: items per forward pass and per shard (>= 1).
+        out: the final ``.parquet`` file, or None to write nothing.
+        resume: skip the ids already in ``OUT.parts/``.
+        max_new_tokens: length limit of the greedy answers.
+        progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
+        readout: a :class:`Readout` to reuse.
+
+    Returns:
+        ``(results, errors)`` DataFrames. ``results``: one row per (item, answer token, segment)
+        with ``row`` (input row), ``id``, ``token_index``, ``position``, ``token``, ``segment``
+        (index j), ``layer`` (its end layer), ``label``, ``value`` (probability credited),
+        ``lens_start``, ``lens_end`` (f at the segment's ends), ``p_base``, ``p_final``,
+        ``delta_p``, ``onset`` (layer) and ``residual`` (the item's max |sum - Δp|).
+        ``errors``: ``row``, ``id``, ``error``. With ``out`` and several ranks, rank 0 returns
+        the merged tables, other ranks their own part. ``results.attrs`` holds ``items_run``
+        (items attempted in this call, not skipped by ``resume``; on rank 0 with ``out``: by
+        all ranks), ``seconds`` (wall time, shards merged) and ``items_per_s``.
+    """
+    import time
+    import pandas as pd
+    from tqdm.auto import tqdm
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if resume and out is None:
+        raise ValueError("resume=True needs out= (the shards to resume from)")
+    table = read_items(items)
+    readout = readout or Readout(model)
+    layers = check_layers(layers, readout.adapter.n_layers)  # fail before any item runs
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    _check_steps(readout, steps, estimator, False)
+    rank, world = distributed_rank()
+    parts = Path(str(out) + ".parts") if out is not None else None
+    if parts is not None:
+        if rank == 0:
+            parts.mkdir(parents=True, exist_ok=True)
+            if not resume:
+                for old in parts.glob("*.parquet"):
+                    old.unlink()
+        _barrier(world)
+    done = set()
+    if resume:
+        for kind in ("results", "errors"):
+            shards = _read_shards(parts, kind)
+            done |= set(shards["id"]) if shards is not None else set()
+    mine = table[(table["row"] % world == rank) & ~table["id"].isin(done)]
+
+    started = time.perf_counter()
+    kept, failed = [], []  # this rank's frames when out is None
+
+    def record(results, errors):
+        if parts is None:
+            kept.extend([results] if len(results) else []), failed.extend([errors] if len(errors) else [])
+            return
+        stem = f"rank{rank:04d}-{time.time_ns()}"
+        if len(errors):
+            _write_shard(errors.assign(shard=stem), parts / f"{stem}.errors.parquet")
+        if len(results):
+            _write_shard(results.assign(shard=stem), parts / f"{stem}.results.parquet")
+
+    # 1. tokenise; rows that cannot run are errors at once
+    sequences, errors = {}, []  # row -> (prompt ids, answer ids or None)
+    for item in mine.itertuples():
+        try:
+            if not item.prompt.strip():
+                raise ValueError(f"prompt must be a non-empty string, got {item.prompt!r}")
+            if item.answer is None:
+                prompt = _prompt_ids(tokenizer, item.prompt, chat)
+                _check_sequence(model, torch.tensor(prompt + prompt[-1:]), len(prompt))
+                sequences[item.row] = (prompt, None)
+            else:
+                ids, prompt_len = encode(tokenizer, item.prompt, item.answer, chat=chat)
+                _check_sequence(model, ids, prompt_len)
+                sequences[item.row] = (ids[0, :prompt_len].tolist(), ids[0, prompt_len:].tolist())
+        except ValueError as err:
+            errors.append(dict(row=item.row, id=item.id, error=str(err)))
+    record(pd.DataFrame(columns=_RESULT_COLUMNS[:-1]), pd.DataFrame(errors, columns=["row", "id", "error"]))
+    n_failed = len(errors)
+
+    # 2. batches of similar length: greedy answers, one forward pass, one readout pass
+    def attribute(rows, full):
+        traces = collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
+                                       for r in rows], batch_size=batch_size)
+        return ig_lens_batch(model, traces, layers=layers, baseline=baseline, steps=steps,
+                             estimator=estimator, readout=readout)
+
+    ids_of = dict(zip(table["row"], table["id"]))
+    order = sorted(sequences, key=lambda r: len(sequences[r][0]) + len(sequences[r][1] or ()))
+    bar = tqdm(total=len(mine), desc="IG-Lens dataset", leave=False,
+               **({} if progress else dict(disable=True)))  # TQDM_DISABLE applies otherwise
+    bar.update(n_failed)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        greedy = [r for r in rows if sequences[r][1] is None]
+        answers = greedy_answers(model, tokenizer, [sequences[r][0] for r in greedy],
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size)
+        full = {r: sequences[r] for r in rows}
+        full.update({r: (sequences[r][0], answer) for r, answer in zip(greedy, answers)})
+        batch_errors = [dict(row=r, id=ids_of[r], error="the model's greedy answer is empty "
+                             "(it stopped at once)") for r in greedy if not full[r][1]]
+        runnable = [r for r in rows if full[r][1]]
+        try:
+            attributions = attribute(runnable, full)
+        except ValueError:  # e.g. NaN hidden states of one item: isolate it, run the others
+            attributions = []
+            for r in runnable:
+                try:
+                    attributions += attribute([r], full)
+                except ValueError as err:
+                    batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
+            runnable = [r for r in runnable if r not in {e["row"] for e in batch_errors}]
+        frames = [_item_frame(a, tokenizer, r, ids_of[r]) for r, a in zip(runnable, attributions)]
+        record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_RESULT_COLUMNS[:-1]),
+               pd.DataFrame(batch_errors, columns=["row", "id", "error"]))
+        n_failed += len(batch_errors)
+        bar.update(len(rows))
+    bar.close()
+    items_run = len(mine)
+
+    if parts is not None:
+        _barrier(world)
+        if rank == 0:  # after the barrier: the whole run's items over the whole run's time
+            items_run = int((~table["id"].isin(done)).sum())
+        if rank == 0:
+            results, errors = _merge_shards(parts, Path(out))
+            missing = set(table["id"]) - set(results["id"]) - set(errors["id"])
+            if missing:  # e.g. another node's shards written to a folder rank 0 cannot see
+                raise FileNotFoundError(
+                    f"{len(missing)} items have no shard in {parts} after every rank finished "
+                    f"(e.g. {sorted(missing)[:3]}): with several nodes, out= must lie on a file "
+                    "system that every node shares")
+        else:  # this rank's own shards
+            results, errors = _tables(*(_read_shards(parts, kind, f"rank{rank:04d}-")
+                                        for kind in ("results", "errors")))
+    else:
+        results, errors = _tables(pd.concat(kept, ignore_index=True) if kept else None,
+                                  pd.concat(failed, ignore_index=True) if failed else None)
+    seconds = time.perf_counter() - started
+    results.attrs.update(items_run=items_run, seconds=seconds,
+                         items_per_s=items_run / seconds if seconds > 0 else float("nan"))
+    return results, errors

@@ -1,0 +1,253 @@
+"""IG-Lens figures: the static heatmap, the one helper every figure is saved through, and the
+interactive view (a standalone HTML file).
+
+Figures go to ``figures/`` unless the environment variable ``IGLENS_FIGURES`` names another folder
+(``make test`` points it at ``build/figures`` so that checking the notebooks never rewrites the
+committed figures).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from iglens_core import Attribution
+
+ROOT = Path(__file__).resolve().parent
+# a checkout's figures/ folder; once installed as a package, figures/ under the working directory
+FIGURES = ROOT / "figures" if (ROOT / "pyproject.toml").exists() else Path.cwd() / "figures"
+
+
+def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = None) -> Path:
+    """Save ``fig`` as ``figures/<name>.png`` (and ``.pdf``); the one place figures are written."""
+    folder = Path(os.environ.get("IGLENS_FIGURES", folder or FIGURES))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
+    fig.savefig(path, dpi=150, bbox_inches="tight", metadata={"Software": None})
+    if pdf:
+        fig.savefig(folder / f"{name}.pdf", bbox_inches="tight", metadata={"Creator": None,
+                                                                           "Producer": None,
+                                                                           "CreationDate": None})
+    return path
+
+
+def _tick_indices(count: int, max_ticks: int = 16) -> list[int]:
+    """About ``max_ticks`` evenly spaced indices of ``count`` columns, the last one always among them."""
+    step = max(1, math.ceil(count / max_ticks))
+    ticks = list(range(0, count, step))
+    if ticks[-1] != count - 1:  # the last column replaces the tick less than a step before it,
+        ticks[-1] = count - 1     # whose label would overlap it
+    return ticks
+
+
+def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str = "",
+                 figsize: tuple[float, float] = (13, 4.5)):
+    """Token x layer heatmap of the attributions beside the logit-lens probability per layer.
+
+    Left: signed attributions (probability), diverging colours centred at zero, each row's sum
+    and Δp on the right of its row, the colour bar beside the panel. Right: the logit lens
+    ``f(h_L)`` per token, so the reader sees the mass sit where the lens jumps. The last segment
+    (layer n) is always labelled.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+    values = attribution.values.numpy()
+    lens = attribution.lens.numpy()
+    T, K = values.shape
+    if len(tokens) != T:
+        raise ValueError(f"tokens must hold one label per target token ({T}), got {len(tokens)}")
+    bound = max(float(np.abs(values).max()), 1e-9)
+    fig, (ax, ax_lens) = plt.subplots(1, 2, figsize=figsize, width_ratios=[3, 2],
+                                      constrained_layout=True)
+    image = ax.imshow(values, aspect="auto", cmap="RdBu_r",
+                      norm=TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound))
+    ticks = _tick_indices(K)
+    ax.set_xticks(ticks, [attribution.labels[j] for j in ticks],
+                  rotation=90 if attribution.labels[0].count(".") else 0)
+    ax.set_yticks(range(T), [repr(tok)[1:-1] for tok in tokens])
+    ax.set_xlabel("segment end layer")
+    ax.set_ylabel("target token")
+    # row sums as right-hand tick labels: part of the axes' decorations, so the colour bar that
+    # constrained_layout places on the right sits beside them, not on top of them
+    sums = ax.secondary_yaxis("right")
+    sums.set_yticks(range(T), [f"Σ={values[t].sum():+.3f}  Δp={attribution.delta_p[t]:+.3f}"
+                               for t in range(T)], fontsize=8)
+    sums.tick_params(length=0)
+    fig.colorbar(image, ax=ax, label="attribution (Δ probability)", pad=0.01)
+    ax.set_title(title or f"IG-Lens ({attribution.estimator}, m={attribution.steps})")
+    lens_image = ax_lens.imshow(lens, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    ax_lens.set_yticks([])
+    ax_lens.set_xticks(_tick_indices(K + 1, 10))
+    ax_lens.set_xlabel("path node (0 = baseline)")
+    ax_lens.set_title("logit lens f(h_L)")
+    fig.colorbar(lens_image, ax=ax_lens, label="target probability", pad=0.01)
+    return fig
+
+
+def _html_path(path) -> Path:
+    """``path`` as a Path when it names an ``.html`` file in an existing folder; else ValueError."""
+    out = Path(path).expanduser()
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"path must name an .html file, got {str(path)!r}")
+    if not out.parent.is_dir():
+        raise ValueError(f"the folder {str(out.parent)!r} of path {str(path)!r} does not exist")
+    return out
+
+
+def _html_views(attribution: Attribution, sublayer: Optional[Attribution],
+                views: Optional[Mapping[str, object]]) -> list[tuple]:
+    """The views of :func:`to_html`: ``(name, values (T, K), labels (K,), lens (T, K+1) or None)``."""
+    T = attribution.values.shape[0]
+    extra = {"sublayer": sublayer} if sublayer is not None else {}
+    extra.update(views or {})
+    first = "sublayer" if any(".attn" in label for label in attribution.labels) else "layer"
+    out = [(first, attribution.values.numpy(), list(attribution.labels), attribution.lens.numpy())]
+    for name, view in extra.items():
+        if isinstance(view, Attribution):
+            if not torch.equal(view.targets, attribution.targets):
+                raise ValueError(f"view {name!r} attributes targets {view.targets.tolist()}, not "
+                                 f"those of the attribution {attribution.targets.tolist()}")
+            out.append((name, view.values.numpy(), list(view.labels), view.lens.numpy()))
+            continue
+        values, labels = view
+        values, labels = np.asarray(values, dtype=np.float64), [str(label) for label in labels]
+        if values.ndim != 2 or values.shape[0] != T or values.shape[1] != len(labels):
+            raise ValueError(f"view {name!r} must be (values (T, K), labels (K,)) with T = {T}, got "
+                             f"values {values.shape} and {len(labels)} labels")
+        out.append((name, values, labels, None))
+    return out
+
+
+def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
+            sublayer: Optional[Attribution] = None, views: Optional[Mapping[str, object]] = None,
+            title: str = "", plotlyjs: Union[bool, str] = True) -> Path:
+    """Write one self-contained interactive HTML view of an attribution (opens offline).
+
+    Plotly, with its JavaScript embedded in the file (about 5 MB): nothing loads from a network.
+    Left: token x segment heatmap, diverging colours centred at zero, the last segment always
+    labelled. Right: the logit lens ``f`` at every path node. Hovering a cell gives the token,
+    the segment, its value, the lens at both ends of the segment, the row sum and Δp (all in
+    probability). Buttons switch between the views: the attribution, ``sublayer`` and ``views``.
+
+    Args:
+        attribution: the first view (layer resolution, usually), T target tokens.
+        tokens: (T,) the target tokens as text, e.g. ``trace.tokens(tokenizer)``.
+        path: the ``.html`` file to write; its folder must exist.
+        sublayer: the same trace's ``ig_lens(..., resolution="sublayer")``.
+        views: further views by name, each an :class:`Attribution` of the same targets or
+            ``(values (T, K'), labels (K',))``, e.g. components of every block flattened to
+            columns; an array view has no lens of its own and shows the first view's lens.
+        title: the figure's title.
+        plotlyjs: ``True`` embeds plotly.js (one self-contained file); ``"directory"`` writes it
+            once as ``plotly.min.js`` beside the file and loads it from there (many views in one
+            folder, still offline).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: a path that is not ``.html`` or whose folder is missing, ``tokens`` of the
+            wrong length, a view of other targets or shape.
+    """
+    import html
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    out = _html_path(path)
+    if plotlyjs not in (True, "directory"):
+        raise ValueError(f"plotlyjs must be True or 'directory', got {plotlyjs!r}")
+    tokens = list(tokens)
+    T = attribution.values.shape[0]
+    if len(tokens) != T:
+        raise ValueError(f"tokens has {len(tokens)} entries, the attribution T = {T} target tokens")
+    panels = _html_views(attribution, sublayer, views)
+    delta_p = attribution.delta_p.tolist()
+    shown = [html.escape(repr(token)) for token in tokens]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], shared_yaxes=True,
+                        horizontal_spacing=0.11,
+                        subplot_titles=("attribution (Δ probability)", "logit lens f (probability)"))
+    heat_end, lens_end = fig.layout.xaxis.domain[1], fig.layout.xaxis2.domain[1]
+    traces, buttons = [], []
+    for name, values, labels, lens in panels:
+        K = len(labels)
+        sums = values.sum(-1)
+        ends = lens if lens is not None else np.full((T, K + 1), np.nan)
+        cells = [[[shown[t], labels[j], float(ends[t, j]), float(ends[t, j + 1]), float(sums[t]),
+                   delta_p[t]] for j in range(K)] for t in range(T)]
+        hover = ("token %{customdata[0]}<br>segment %{customdata[1]}<br>value %{z:+.4f}<br>"
+                 + ("lens %{customdata[2]:.4f} → %{customdata[3]:.4f}<br>" if lens is not None else "")
+                 + "row sum %{customdata[4]:+.4f}<br>Δp %{customdata[5]:+.4f}<extra>" + name + "</extra>")
+        bound = max(float(np.abs(values).max()), 1e-9)
+        traces.append((name, "heat", go.Heatmap(
+            z=values.tolist(), x=list(range(K)), y=list(range(T)), customdata=cells,
+            hovertemplate=hover, colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound,
+            zmax=bound, name=name,
+            colorbar=dict(x=heat_end + 0.005, xanchor="left", thickness=14, tickformat=".2~g",
+                          title=dict(text="Δ probability", side="right")))))
+        if lens is not None:
+            nodes = ["baseline"] + labels
+            traces.append((name, "lens", go.Heatmap(
+                z=lens.tolist(), x=list(range(K + 1)), y=list(range(T)), zmin=0.0, zmax=1.0,
+                colorscale="Viridis", name=name,
+                customdata=[[[shown[t], nodes[j]] for j in range(K + 1)] for t in range(T)],
+                hovertemplate="token %{customdata[0]}<br>node %{customdata[1]}<br>"
+                              "f %{z:.4f}<extra>" + name + "</extra>",
+                colorbar=dict(x=lens_end + 0.005, xanchor="left", thickness=14,
+                              title=dict(text="target probability", side="right")))))
+    for index, (name, values, labels, lens) in enumerate(panels):
+        lens_of = name if lens is not None else panels[0][0]
+        visible = [(view == name and kind == "heat") or (view == lens_of and kind == "lens")
+                   for view, kind, _ in traces]
+        heat_ticks = _tick_indices(len(labels))
+        lens_labels = ["base"] + (labels if lens is not None else panels[0][2])
+        lens_ticks = _tick_indices(len(lens_labels), 10)
+        axes = {"xaxis.tickvals": heat_ticks, "xaxis.ticktext": [labels[j] for j in heat_ticks],
+                "xaxis2.tickvals": lens_ticks, "xaxis2.ticktext": [lens_labels[j] for j in lens_ticks]}
+        buttons.append(dict(label=name, method="update", args=[{"visible": visible}, axes]))
+        if index == 0:
+            first_visible, first_axes = visible, axes
+    for (name, kind, trace), visible in zip(traces, first_visible):
+        trace.visible = visible
+        fig.add_trace(trace, row=1, col=1 if kind == "heat" else 2)
+    fig.update_layout(
+        title=dict(text=title or (f"IG-Lens ({attribution.estimator}, m={attribution.steps}, "
+                                  f"baseline {attribution.baseline}): max |row sum - Δp| = "
+                                  f"{attribution.residual:.1e}"), y=0.99, yanchor="top"),
+        width=1300, height=240 + 28 * T, margin=dict(t=130),
+        updatemenus=[dict(type="buttons", direction="right", buttons=buttons, showactive=True,
+                          x=0.0, xanchor="left", y=1.0, yanchor="bottom", pad=dict(b=30))])
+    fig.update_layout({key.replace(".", "_"): value for key, value in first_axes.items()})
+    fig.update_xaxes(tickmode="array", title_text="segment", row=1, col=1)
+    fig.update_xaxes(tickmode="array", title_text="path node", row=1, col=2)
+    fig.update_yaxes(tickmode="array", tickvals=list(range(T)),
+                     ticktext=[html.escape(repr(token)[1:-1]) for token in tokens],
+                     autorange="reversed", row=1, col=1)
+    fig.write_html(out, include_plotlyjs=plotlyjs, full_html=True, div_id="iglens",
+                   config={"displaylogo": False})
+    return out
+
+
+def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: int = 30) -> str:
+    """Text table: one row per token with its per-segment values, sum, Δp and onset."""
+    K = len(attribution.layers)
+    shown = list(range(K)) if K <= max_columns else list(range(0, K, math.ceil(K / max_columns)))
+    width = max(8, max(len(repr(t)) for t in tokens) + 1)
+    head = f"{'token':<{width}}" + "".join(f"{attribution.labels[j]:>7}" for j in shown)
+    head += f"{'sum':>9}{'Δp':>9}{'p_base':>8}{'p_final':>8}{'onset':>6}"
+    lines = [head]
+    onset = attribution.onset().tolist()
+    for t, token in enumerate(tokens):
+        row = f"{repr(token):<{width}}" + "".join(f"{attribution.values[t, j]:>+7.3f}" for j in shown)
+        row += (f"{attribution.values[t].sum():>+9.4f}{attribution.delta_p[t]:>+9.4f}"
+                f"{attribution.p_base[t]:>8.4f}{attribution.p_final[t]:>8.4f}{onset[t]:>6}")
+        lines.append(row)
+        lines.append(f"{'  lens':<{width}}" + "".join(f"{attribution.lens[t, j + 1]:>7.3f}" for j in shown))
+    lines.append(f"telescoping residual max|sum - Δp| = {attribution.residual:.2e}")
+    return "\n".join(lines)
