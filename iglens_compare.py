@@ -29,7 +29,8 @@ from torch import nn
 
 from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr,
                          _first_output, _hidden_arg, _projection, _projection_weight, check_layers, collect,
-                         component_terms, get_adapter, precision)
+                         component_terms, get_adapter, precision, tie_tolerance, tied_ranks,
+                         top_indices)
 
 # ---------------------------------------------------------------------------
 # 1. Comparisons: direct logit attribution, tuned lens, layer IG and conductance
@@ -844,13 +845,17 @@ class Patching:
 
 def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
     """(N,) first node ``L`` with ``r(L) >= level`` for each row of an (N, n+1) restoration array;
-    ``n`` where no node reaches it (only by rounding: ``r(n) = 1``); -1 for an all-NaN row."""
+    ``n`` where no node reaches it (only by rounding: ``r(n) = 1``); -1 for an all-NaN row.
+
+    ``r(L)`` within :func:`iglens_core.tie_tolerance` of ``level`` counts as reaching it, so
+    rounding (``r``'s is the probabilities' divided by the gap ``p_clean - p'``) never moves
+    the half layer across machines."""
     r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
     if r.ndim != 2:
         raise ValueError(f"restoration must have shape (N, n+1), got {r.shape}")
     if not 0.0 < level <= 1.0:
         raise ValueError(f"level must be in (0, 1], got {level}")
-    reached = r >= level - 1e-9
+    reached = r >= level - tie_tolerance(np.nan_to_num(r))  # within the rank tolerance: reached
     reached[:, -1] = True
     out = reached.argmax(-1)
     out[np.isnan(r).all(-1)] = -1
@@ -960,25 +965,36 @@ def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
 def spearman_rows(scores, effects) -> np.ndarray:
     """(T,) Spearman rank correlation, per token, between a per-layer score and ablation effects.
 
+    Ranks are :func:`iglens_core.tied_ranks`: values within the rank tolerance are ties, so the
+    statistic does not order rounding (the level ``f(h_L)`` and the cumulative
+    ``f(h_L) - f(h_0)`` give the same number), and ties take their average rank.
+
     Args:
         scores, effects: (T, n), e.g. IG-Lens values and :func:`ablation_effects`.
 
     Returns:
-        (T,) float64 in [-1, 1]; NaN for a token whose scores or effects are all equal.
+        (T,) float64 in [-1, 1]; NaN for a token whose scores or effects are all tied.
     """
-    from scipy.stats import spearmanr
     scores, effects = _check_pair(scores, effects)
+    a, b = tied_ranks(scores), tied_ranks(effects)
     out = np.full(len(scores), np.nan)
-    for t, (a, b) in enumerate(zip(scores, effects)):
-        if np.ptp(a) > 0 and np.ptp(b) > 0:
-            out[t] = spearmanr(a, b).statistic
+    for t, (x, y) in enumerate(zip(a, b)):
+        if np.ptp(x) > 0 and np.ptp(y) > 0:
+            x, y = x - x.mean(), y - y.mean()
+            out[t] = float(x @ y / np.sqrt((x @ x) * (y @ y)))
     return out
 
 
 def top1_agreement(scores, effects) -> np.ndarray:
-    """(T,) 1.0 where the top-scored layer is also the layer whose ablation hurts most, else 0.0."""
+    """(T,) 1.0 where the top-scored layer is among the layers whose ablation hurts most, else 0.0.
+
+    The top-scored layer is :func:`iglens_core.top_indices` (ties within the rank tolerance go to
+    the earlier layer); "hurts most" is the top group of :func:`iglens_core.tied_ranks` of the
+    effects (every layer tied with the largest effect)."""
     scores, effects = _check_pair(scores, effects)
-    return (scores.argmax(-1) == effects.argmax(-1)).astype(float)
+    named = top_indices(scores)                      # (T, 1)
+    ranks = tied_ranks(effects)
+    return (np.take_along_axis(ranks, named, -1)[:, 0] == ranks.max(-1)).astype(float)
 
 
 def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -> np.ndarray:
@@ -986,21 +1002,26 @@ def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -
 
     For each token the method names a layer (its top-scored layer, or ``named``); the test
     passes (1.0) when that layer's ablation effect exceeds the median effect of the layers the
-    method scores lower, and fails (0.0) otherwise; NaN where no layer scores lower.
+    method scores lower, and fails (0.0) otherwise; NaN where no layer scores lower. "Lower" and
+    "exceeds" are taken with the rank tolerance (:func:`iglens_core.tied_ranks`,
+    :func:`iglens_core.tie_tolerance`): a layer tied with the named one is not lower, and an
+    effect within tolerance of the median does not exceed it.
 
     Args:
         scores, effects: (T, n).
-        named: (T,) indices (0-based, into the n layers) of the named layer; default argmax.
+        named: (T,) indices (0-based, into the n layers) of the named layer; default the
+            tolerant arg-max :func:`iglens_core.top_indices`.
     """
     scores, effects = _check_pair(scores, effects)
-    named = scores.argmax(-1) if named is None else np.asarray(named, dtype=int)
+    named = top_indices(scores)[:, 0] if named is None else np.asarray(named, dtype=int)
     if named.shape != (len(scores),) or named.min(initial=0) < 0 or named.max(initial=0) >= scores.shape[1]:
         raise ValueError(f"named must hold {len(scores)} layer indices in 0..{scores.shape[1] - 1}")
+    ranks, tolerance = tied_ranks(scores), tie_tolerance(effects)[:, 0]
     out = np.full(len(scores), np.nan)
     for t, j in enumerate(named):
-        lower = scores[t] < scores[t, j]
+        lower = ranks[t] < ranks[t, j]
         if lower.any():
-            out[t] = float(effects[t, j] > np.median(effects[t, lower]))
+            out[t] = float(effects[t, j] > np.median(effects[t, lower]) + tolerance[t])
     return out
 
 

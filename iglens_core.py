@@ -1248,6 +1248,81 @@ class Readout:
 # 5. The integrator and its estimators
 # ---------------------------------------------------------------------------
 
+# -- ranking per-layer scores without ranking rounding -----------------------------------------
+#
+# A per-layer score is read in float32: a probability carries up to ~7e-6 of rounding
+# (``_target_prob``), a logit ~1e-6 per unit, and two machines (or thread counts) round
+# differently. Ranking or arg-maxing such values orders that rounding wherever the curve is flat
+# (near-zero probabilities that differ in their last bits). So every rank, arg-max, top-k and
+# threshold crossing of IG-Lens and of iglens_compare.py goes through :func:`tie_tolerance`.
+RANK_ATOL = 1e-5  # in the score's own units (probability, logit, restoration ratio)
+RANK_RTOL = 1e-4  # of the row's range max - min
+
+
+def tie_tolerance(values) -> np.ndarray:
+    """(..., 1) float64 tie tolerance of each row: ``RANK_ATOL + RANK_RTOL * (max - min)``.
+
+    Why these: ``RANK_ATOL = 1e-5`` is above the worst float32 rounding of a probability read by
+    the readout (7e-6 against float64, log-softmax at V = 49152), so two values that differ only
+    by the float path are never told apart; ``RANK_RTOL = 1e-4`` of the row's range covers scores
+    in larger units whose rounding grows with their size (logits of magnitude ~10 rounded at
+    ~1e-6 each, restoration ratios divided by a clean-corrupted gap >= 0.01). The range, not the
+    magnitude, sets the scale, so adding a constant to a row (the level ``f(h_L)`` against the
+    cumulative ``f(h_L) - f(h_0)``) leaves its ties, ranks and crossings unchanged. A float64 run
+    is held to the same tolerance, so it ranks exactly as a float32 one.
+
+    Args:
+        values: (..., n) scores along the last axis (torch or numpy; NaN gives NaN).
+    """
+    x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
+    if x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError(f"values must have at least one entry along the last axis, got shape {x.shape}")
+    return RANK_ATOL + RANK_RTOL * np.ptp(x, axis=-1, keepdims=True)
+
+
+def tied_ranks(values) -> np.ndarray:
+    """(..., n) float64 ranks ``1..n`` along the last axis, values within tolerance tied.
+
+    Sorted, neighbours closer than :func:`tie_tolerance` join one group (single linkage: two
+    values that differ by less than the tolerance are always tied; a chain of such steps is one
+    group); a group shares its members' average rank, as ``scipy.stats.rankdata`` does for
+    exact ties. A perturbation much smaller than the tolerance (the float path) changes no rank
+    unless a gap between sorted neighbours lies within it of the tolerance itself. NaN rows give
+    NaN ranks.
+
+    Args:
+        values: (..., n) scores, e.g. (T, n) per-layer values of T tokens.
+    """
+    x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
+    tolerance = tie_tolerance(x)
+    rows, tols = x.reshape(-1, x.shape[-1]), tolerance.reshape(-1)
+    ranks = np.full(rows.shape, np.nan)
+    for i, (row, tol) in enumerate(zip(rows, tols)):
+        if np.isnan(row).any():
+            continue
+        order = np.argsort(row, kind="stable")
+        group = np.concatenate([[0], np.cumsum(np.diff(row[order]) > tol)])  # sorted order
+        position = np.arange(1.0, len(row) + 1)
+        average = np.bincount(group, weights=position) / np.bincount(group)
+        ranks[i, order] = average[group]
+    return ranks.reshape(x.shape)
+
+
+def top_indices(values, k: int = 1) -> np.ndarray:
+    """(..., k) indices of the ``k`` largest values along the last axis, ties within tolerance
+    broken by the lower index (the earlier layer); ``k = 1`` is the tolerant arg-max.
+
+    Args:
+        values: (..., n) scores; flatten a grid (e.g. (n, H) heads) to rank across it.
+        k: 1..n.
+    """
+    ranks = tied_ranks(values)
+    n = ranks.shape[-1]
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
+        raise ValueError(f"k must be an integer in 1..{n}, got {k!r}")
+    return np.argsort(-ranks, axis=-1, kind="stable")[..., :k]
+
+
 def quadrature(estimator: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Nodes in [0, 1] and weights (summing to 1) of a gradient estimator with ``steps`` points.
 
@@ -1343,14 +1418,17 @@ class Attribution:
         """(T,) first segment end layer at which the cumulative attribution reaches ``frac`` of Δp.
 
         For a rise (Δp > 0) the first layer where ``cumsum >= frac * Δp``; for a fall the first
-        where ``cumsum <= frac * Δp``. With the prediction-aware estimator this is where the
-        logit lens first crosses ``p_base + frac * Δp``.
+        where ``cumsum <= frac * Δp``; a cumulative within :func:`tie_tolerance` of the goal
+        counts as reaching it, so rounding never moves the onset (and the last layer always
+        qualifies). With the prediction-aware estimator this is where the logit lens first
+        crosses ``p_base + frac * Δp``.
         """
         if not 0.0 < frac <= 1.0:
             raise ValueError(f"frac must be in (0, 1], got {frac}")
         cumulative = self.values.double().cumsum(-1)
         goal = frac * self.delta_p.double()[:, None]
-        tol = 1e-7 * (1.0 + goal.abs())  # the last node reaches the goal up to rounding
+        # within the rank tolerance of the curve [0, cumulative] counts as reached (tie_tolerance)
+        tol = torch.from_numpy(tie_tolerance(torch.cat([torch.zeros_like(goal), cumulative], -1)))
         reached = torch.where(goal >= 0, cumulative >= goal - tol, cumulative <= goal + tol)
         first = reached.int().argmax(-1)
         return torch.tensor(self.layers)[first]
