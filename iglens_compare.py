@@ -29,7 +29,7 @@ from torch import nn
 
 from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr,
                          _first_output, _hidden_arg, _projection, _projection_weight, check_layers, collect,
-                         component_terms, get_adapter, precision, tie_tolerance, tied_ranks,
+                         check_same_model, component_terms, get_adapter, precision, tie_tolerance, tied_ranks,
                          top_indices)
 
 # ---------------------------------------------------------------------------
@@ -105,6 +105,7 @@ def direct_logit_attribution(model, trace: Trace, *, subtract_mean: bool = False
         (T, n) float64 logits; with ``return_rest`` a pair ``(values (T, n), rest (T,))`` with
         ``values.sum(-1) + rest`` equal to the (pre-softcap) target logit.
     """
+    check_same_model(model, trace)
     adapter = get_adapter(model)
     hidden = trace.hidden.double()  # (n+1, T, d)
     scale, center, bias = _frozen_final_norm(adapter, hidden[-1])
@@ -148,6 +149,7 @@ def dla_probability(model, trace: Trace, *, mode: str = "cumulative") -> torch.T
     Returns:
         (T, n) float64 probabilities.
     """
+    check_same_model(model, trace)
     if mode not in ("cumulative", "linearised"):
         raise ValueError(f"mode must be 'cumulative' or 'linearised', got {mode!r}")
     adapter = get_adapter(model)
@@ -459,6 +461,7 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
         (len(tokens), K) float64 probabilities; with ``return_limit`` a pair
         ``(values, limits)`` of that shape.
     """
+    check_same_model(model, trace)
     from captum.attr import LayerIntegratedGradients
     _check_captum(steps, method)
     adapter, layers, tokens, device = _captum_setup(model, trace, layers, tokens)
@@ -513,6 +516,7 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
     Returns:
         (len(tokens), K) float64 probabilities (and their limits, see there).
     """
+    check_same_model(model, trace)
     from captum.attr import LayerConductance
     _check_captum(steps, method)
     adapter, layers, tokens, device = _captum_setup(model, trace, layers, tokens)
@@ -674,6 +678,7 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
     Returns:
         (T, len(layers)) float32 (float64 for a float64 model) probability drops.
     """
+    check_same_model(model, trace)
     _check_ablation(mode, batch_size)
     if part not in ABLATION_PARTS:
         raise ValueError(f"part must be one of {ABLATION_PARTS}, got {part!r}")
@@ -740,6 +745,7 @@ def component_dla(model, trace: Trace, *, resolution: str = "head") -> torch.Ten
     Returns:
         (T, n, H + 1) or (T, n, d_ff + 1) float64 logits (pre soft-cap).
     """
+    check_same_model(model, trace)
     adapter = get_adapter(model)
     sublayer = _component_layout(model, adapter, resolution)[0]
     scale, center, _ = _frozen_final_norm(adapter, trace.hidden[-1].double())
@@ -771,6 +777,7 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
     Returns:
         (T, len(sets)) probability drops, float32 (float64 for a float64 model).
     """
+    check_same_model(model, trace)
     _check_ablation(mode, batch_size)
     adapter = get_adapter(model)
     n = adapter.n_layers
@@ -876,7 +883,8 @@ def _splice_last(row: int, value: torch.Tensor):
 
 
 @torch.no_grad()
-def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, target: int = 0) -> Patching:
+def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, target: int = 0,
+                        min_gap: float = 0.01) -> Patching:
     """Activation patching at the predicting position: from which layer on does it carry the answer?
 
     ``corrupted_ids`` is a corrupted version of the clean sequence up to its predicting position
@@ -900,11 +908,24 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
         trace: from :func:`collect` on the clean sequence.
         corrupted_ids: (1, L') or (L',) long, the corrupted sequence through its predicting position.
         target: index into ``trace.targets`` (``0..T-1``) of the target to restore.
+        min_gap: probability in [0, 1]; the corruption must move the target's probability by at
+            least this, ``|p_clean - p'| >= min_gap``. ``r(L)`` divides the probabilities'
+            rounding (float32: ~1e-7 typical, up to ~7e-6) by that gap, so a corruption that
+            barely changes the prediction (e.g. the clean prefix itself: a gap of 2e-7) gives a
+            restoration curve of pure rounding and a meaningless half layer; at 0.01 the
+            rounding of ``r`` stays below ~1e-5 typical (notebook 05 asks 0.05). 0 accepts any
+            gap (for checks of ``probs`` alone).
 
     Returns:
         :class:`Patching` with ``probs`` (n+1,) float32 (float64 for a float64 model).
+
+    Raises:
+        ValueError: bad arguments, or a gap below ``min_gap`` (choose another corruption).
     """
+    check_same_model(model, trace)
     targets = trace.targets
+    if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) or not 0.0 <= min_gap <= 1.0:
+        raise ValueError(f"min_gap must be a probability in [0, 1], got {min_gap!r}")
     if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < len(targets):
         raise ValueError(f"target must be an index in 0..{len(targets) - 1}, got {target!r}")
     ids = torch.as_tensor(corrupted_ids)
@@ -946,6 +967,12 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
     last = final[0]  # (n+1, d): rows 0..n-1 restored at node L, row n corrupted
     last = torch.cat([last[:n], clean[n][None].to(last), last[n:]])  # (n+2, d)
     probs = Readout(model)(last, targets[target]).cpu()
+    gap = float(probs[n]) - float(probs[n + 1])
+    if abs(gap) < min_gap:
+        raise ValueError(f"the corrupted run changes the target's probability by only "
+                         f"p_clean - p' = {gap:.3g} ({float(probs[n]):.6g} - {float(probs[n + 1]):.6g}), "
+                         f"less than min_gap={min_gap}: its restoration curve would be rounding. "
+                         "Choose a corruption that changes the prediction (or lower min_gap)")
     return Patching(probs=probs[:n + 1], p_clean=float(probs[n]), p_corrupted=float(probs[n + 1]))
 
 

@@ -186,6 +186,9 @@ def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
     """
+    if device is not None and torch.device(device).type == "meta":
+        raise ValueError("device='meta' gives a model without weights (shapes only), on which nothing "
+                         "can be computed: use 'cpu' or 'cuda', or device_map='auto' to offload")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     _quiet_transformers()
     path = resolve_model_path(name)
@@ -274,6 +277,77 @@ class Adapter:
         return len(self.blocks)
 
 
+def check_model(model) -> None:
+    """A loaded model with weights: an ``nn.Module`` not on the ``meta`` device.
+
+    Raises:
+        ValueError: for anything else (e.g. a model *name*: load it with :func:`load_model`), or
+            for a model whose weights are on ``meta`` (shapes only, no values) without the
+            offloading hooks of ``device_map`` that bring them in when needed.
+    """
+    if not isinstance(model, nn.Module):
+        hint = f"; load it first: model, tokenizer = ig.load_model({model!r})" if isinstance(model, str) else ""
+        raise ValueError(f"model must be a loaded torch model (torch.nn.Module), got "
+                         f"{type(model).__name__} {str(model)[:80]!r}{hint}")
+    if getattr(model, "hf_device_map", None) is None and any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's weights are on the 'meta' device (shapes only, no values): load "
+                         "it on 'cpu' or 'cuda', or with device_map='auto' to offload what does not fit")
+
+
+_FINGERPRINT_ENTRIES = 4  # sampled entries per tensor
+
+
+def model_fingerprint(model) -> Optional[torch.Tensor]:
+    """(k,) float64 sampled weights that tell one model from another of the same sizes; cheap.
+
+    Four entries (first, one third, two thirds, last) of each of: the input embedding, the first
+    parameter of the first and of the last block, the final norm's weight (where it has one) and
+    the head. No sum is taken, so the values do not depend on the device; another dtype of the
+    same model agrees within its rounding (:func:`check_same_model` allows 1e-2 relative). None
+    when one of them is offloaded (``meta``): such a model is not checked.
+    """
+    adapter = get_adapter(model)
+    tensors = [model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None,
+               next(adapter.blocks[0].parameters(), None), next(adapter.blocks[-1].parameters(), None),
+               getattr(adapter.norm, "weight", None), getattr(adapter.head, "weight", None)]
+    picked = []
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            continue
+        if tensor.is_meta:
+            return None
+        flat = tensor.detach().reshape(-1)
+        at = torch.tensor([k * (flat.numel() - 1) // (_FINGERPRINT_ENTRIES - 1)
+                           for k in range(_FINGERPRINT_ENTRIES)], device=flat.device)
+        picked.append(flat[at].double().cpu())
+    return torch.cat(picked)
+
+
+def check_same_model(model, trace: Optional["Trace"] = None, readout: Optional["Readout"] = None) -> None:
+    """The trace and the readout (either may be None) must come from ``model``.
+
+    Compares :func:`model_fingerprint` of ``model`` with the one :func:`collect` stored on the
+    trace and the one :class:`Readout` took of its model; a trace built by hand (no fingerprint)
+    is not checked.
+
+    Raises:
+        ValueError: ``model`` is not a loaded model, or the trace / readout comes from another one.
+    """
+    check_model(model)
+    stored = [(what, getattr(thing, "model_fingerprint", None)) for what, thing in
+              (("trace", trace), ("readout", readout)) if thing is not None]
+    if all(fingerprint is None for _, fingerprint in stored):
+        return
+    own = model_fingerprint(model)
+    for what, fingerprint in stored:
+        if own is None or fingerprint is None:
+            continue
+        if fingerprint.shape != own.shape or not torch.allclose(fingerprint, own, rtol=1e-2, atol=1e-8):
+            fix = ("collect it with this model" if what == "trace" else "build it with Readout(model)")
+            raise ValueError(f"the {what} comes from another model than the one passed (their weights "
+                             f"differ at the sampled entries of ig.model_fingerprint): {fix}")
+
+
 def _first_attr(module: nn.Module, names: Sequence[str]):
     for name in names:
         found = getattr(module, name, None)
@@ -301,6 +375,7 @@ def get_adapter(model: nn.Module, *, blocks: Optional[nn.ModuleList] = None,
         ValueError: naming each part that cannot be found, where it was looked for, and how to
             pass it by hand.
     """
+    check_model(model)
     base = getattr(model, "base_model", model)
     output_embeddings = getattr(model, "get_output_embeddings", None)
     found = dict(blocks=_first_attr(base, _BLOCK_LISTS), norm=_first_attr(base, _FINAL_NORMS),
@@ -420,9 +495,9 @@ def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
     Returns:
         ``input_ids`` (1, L) long and ``prompt_len``: answer tokens are ``input_ids[0, prompt_len:]``.
     """
-    if not prompt or not prompt.strip():
-        raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
-    if answer is not None and not answer.strip():
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"prompt must be a non-empty string, got {type(prompt).__name__} {prompt!r}")
+    if answer is not None and (not isinstance(answer, str) or not answer.strip()):
         raise ValueError(f"answer must be a non-empty string or None (greedy), got {answer!r}")
     prompt_ids = _prompt_ids(tokenizer, prompt, chat)
     if answer is not None:
@@ -513,6 +588,8 @@ class Trace:
             block's attention output projection (the heads' outputs side by side).
         neurons: (n, T, d_ff) or None. From :func:`collect_components`: the input of each block's
             MLP down projection (one activation per neuron).
+        model_fingerprint: (k,) :func:`model_fingerprint` of the model that made the trace (None for
+            a trace built by hand); the functions that take a model and a trace check it.
     """
     input_ids: torch.Tensor
     prompt_len: int
@@ -523,6 +600,7 @@ class Trace:
     mid: Optional[torch.Tensor] = None
     heads: Optional[torch.Tensor] = None
     neurons: Optional[torch.Tensor] = None
+    model_fingerprint: Optional[torch.Tensor] = None
 
     @property
     def n_layers(self) -> int:
@@ -548,6 +626,7 @@ def _first_output(output):
 
 def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
     """Validate one sequence for the collector; returns it as (1, L) long."""
+    check_model(model)
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -561,9 +640,10 @@ def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique()[:5].tolist()
         raise ValueError(f"token ids must lie in 0..{vocab - 1} (the model's vocabulary), got {bad}")
     length = input_ids.shape[1]
-    if not 1 <= prompt_len <= length - 1:
-        raise ValueError(f"prompt_len must be in 1..{length - 1} (sequence length {length}), "
-                         f"got {prompt_len}")
+    if (isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer))
+            or not 1 <= prompt_len <= length - 1):
+        raise ValueError(f"prompt_len must be in 1..{length - 1} (sequence length {length}), an "
+                         f"integer, got {prompt_len!r}")
     context = _context_length(model)
     if context is not None and length > context:
         raise ValueError(f"sequence of {length} tokens is longer than the model's context of "
@@ -643,7 +723,7 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     model_probs = torch.softmax(logits.to(precision(logits.dtype)), -1).gather(
         -1, targets[:, None].to(logits.device))[:, 0].cpu()
     return Trace(input_ids.cpu(), prompt_len, targets, positions, hidden, model_probs,
-                 torch.stack(mids) if sublayer else None)
+                 torch.stack(mids) if sublayer else None, model_fingerprint=model_fingerprint(model))
 
 
 @torch.no_grad()
@@ -669,11 +749,12 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    checked = [(_check_sequence(model, ids, int(prompt_len)), int(prompt_len))
+    checked = [(_check_sequence(model, ids, prompt_len), int(prompt_len))
                for ids, prompt_len in sequences]
     adapter = get_adapter(model)
     n = adapter.n_layers
     device = next(model.parameters()).device
+    fingerprint = model_fingerprint(model)
     order = sorted(range(len(checked)), key=lambda i: checked[i][0].shape[1])
     traces: list[Optional[Trace]] = [None] * len(checked)
     for start in range(0, len(order), batch_size):
@@ -716,7 +797,8 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
             model_probs = probs.gather(-1, targets[:, None].to(logits.device))[:, 0].cpu()
             mid = (torch.stack([s[row, picked.to(s.device)].cpu() for s in mids]).to(work)
                    if sublayer else None)
-            traces[i] = Trace(ids.cpu(), prompt_len, targets, positions, hidden, model_probs, mid)
+            traces[i] = Trace(ids.cpu(), prompt_len, targets, positions, hidden, model_probs, mid,
+                              model_fingerprint=fingerprint)
     return traces
 
 
@@ -833,7 +915,10 @@ class Readout:
 
     def __init__(self, model, *, norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None,
                  memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, np.integer)) or memory_budget < 1:
+            raise ValueError(f"memory_budget must be a positive integer number of bytes, got {memory_budget!r}")
         self.adapter = get_adapter(model, norm=norm, head=head)
+        self.model_fingerprint = model_fingerprint(model)
         self.memory_budget = int(memory_budget)
         weight = self.adapter.head.weight  # on "meta" when accelerate offloaded it
         self.vocab_size, self.hidden_size = weight.shape
@@ -1598,6 +1683,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     readout = readout or Readout(model)
     _check_trace(readout, trace)
+    check_same_model(model, trace, readout)
     _check_steps(readout, steps, estimator, profile)
     layers = check_layers(layers, trace.n_layers)
     if not torch.isfinite(trace.hidden).all():
@@ -1638,6 +1724,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
 
 def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.Tensor:
     """(T, n+1) target probability read out of every block boundary, ``hidden[0]`` first."""
+    check_same_model(model, trace, readout)
     readout = readout or Readout(model)
     return readout(trace.hidden, trace.targets[None]).T
 
@@ -1803,6 +1890,7 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
     if missing:
         raise ValueError(f"the trace has no {missing}: record it with collect_components(model, "
                          "input_ids, prompt_len)")
+    check_same_model(model, trace, readout)
     readout = readout or Readout(model)
     n = trace.n_layers
     ends, _, _ = path_nodes(trace, list(range(1, n + 1)), "sublayer")
