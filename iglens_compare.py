@@ -29,7 +29,8 @@ from torch import nn
 
 from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr,
                          _first_output, _hidden_arg, _projection, _projection_weight, check_layers, collect,
-                         component_terms, get_adapter, precision)
+                         check_same_model, component_terms, get_adapter, precision, tie_tolerance, tied_ranks,
+                         top_indices)
 
 # ---------------------------------------------------------------------------
 # 1. Comparisons: direct logit attribution, tuned lens, layer IG and conductance
@@ -104,6 +105,7 @@ def direct_logit_attribution(model, trace: Trace, *, subtract_mean: bool = False
         (T, n) float64 logits; with ``return_rest`` a pair ``(values (T, n), rest (T,))`` with
         ``values.sum(-1) + rest`` equal to the (pre-softcap) target logit.
     """
+    check_same_model(model, trace)
     adapter = get_adapter(model)
     hidden = trace.hidden.double()  # (n+1, T, d)
     scale, center, bias = _frozen_final_norm(adapter, hidden[-1])
@@ -147,6 +149,7 @@ def dla_probability(model, trace: Trace, *, mode: str = "cumulative") -> torch.T
     Returns:
         (T, n) float64 probabilities.
     """
+    check_same_model(model, trace)
     if mode not in ("cumulative", "linearised"):
         raise ValueError(f"mode must be 'cumulative' or 'linearised', got {mode!r}")
     adapter = get_adapter(model)
@@ -458,6 +461,7 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
         (len(tokens), K) float64 probabilities; with ``return_limit`` a pair
         ``(values, limits)`` of that shape.
     """
+    check_same_model(model, trace)
     from captum.attr import LayerIntegratedGradients
     _check_captum(steps, method)
     adapter, layers, tokens, device = _captum_setup(model, trace, layers, tokens)
@@ -512,6 +516,7 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
     Returns:
         (len(tokens), K) float64 probabilities (and their limits, see there).
     """
+    check_same_model(model, trace)
     from captum.attr import LayerConductance
     _check_captum(steps, method)
     adapter, layers, tokens, device = _captum_setup(model, trace, layers, tokens)
@@ -673,6 +678,7 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
     Returns:
         (T, len(layers)) float32 (float64 for a float64 model) probability drops.
     """
+    check_same_model(model, trace)
     _check_ablation(mode, batch_size)
     if part not in ABLATION_PARTS:
         raise ValueError(f"part must be one of {ABLATION_PARTS}, got {part!r}")
@@ -739,6 +745,7 @@ def component_dla(model, trace: Trace, *, resolution: str = "head") -> torch.Ten
     Returns:
         (T, n, H + 1) or (T, n, d_ff + 1) float64 logits (pre soft-cap).
     """
+    check_same_model(model, trace)
     adapter = get_adapter(model)
     sublayer = _component_layout(model, adapter, resolution)[0]
     scale, center, _ = _frozen_final_norm(adapter, trace.hidden[-1].double())
@@ -770,6 +777,7 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
     Returns:
         (T, len(sets)) probability drops, float32 (float64 for a float64 model).
     """
+    check_same_model(model, trace)
     _check_ablation(mode, batch_size)
     adapter = get_adapter(model)
     n = adapter.n_layers
@@ -844,13 +852,17 @@ class Patching:
 
 def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
     """(N,) first node ``L`` with ``r(L) >= level`` for each row of an (N, n+1) restoration array;
-    ``n`` where no node reaches it (only by rounding: ``r(n) = 1``); -1 for an all-NaN row."""
+    ``n`` where no node reaches it (only by rounding: ``r(n) = 1``); -1 for an all-NaN row.
+
+    ``r(L)`` within :func:`iglens_core.tie_tolerance` of ``level`` counts as reaching it, so
+    rounding (``r``'s is the probabilities' divided by the gap ``p_clean - p'``) never moves
+    the half layer across machines."""
     r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
     if r.ndim != 2:
         raise ValueError(f"restoration must have shape (N, n+1), got {r.shape}")
     if not 0.0 < level <= 1.0:
         raise ValueError(f"level must be in (0, 1], got {level}")
-    reached = r >= level - 1e-9
+    reached = r >= level - tie_tolerance(np.nan_to_num(r))  # within the rank tolerance: reached
     reached[:, -1] = True
     out = reached.argmax(-1)
     out[np.isnan(r).all(-1)] = -1
@@ -871,7 +883,8 @@ def _splice_last(row: int, value: torch.Tensor):
 
 
 @torch.no_grad()
-def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, target: int = 0) -> Patching:
+def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, target: int = 0,
+                        min_gap: float = 0.01) -> Patching:
     """Activation patching at the predicting position: from which layer on does it carry the answer?
 
     ``corrupted_ids`` is a corrupted version of the clean sequence up to its predicting position
@@ -895,11 +908,24 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
         trace: from :func:`collect` on the clean sequence.
         corrupted_ids: (1, L') or (L',) long, the corrupted sequence through its predicting position.
         target: index into ``trace.targets`` (``0..T-1``) of the target to restore.
+        min_gap: probability in [0, 1]; the corruption must move the target's probability by at
+            least this, ``|p_clean - p'| >= min_gap``. ``r(L)`` divides the probabilities'
+            rounding (float32: ~1e-7 typical, up to ~7e-6) by that gap, so a corruption that
+            barely changes the prediction (e.g. the clean prefix itself: a gap of 2e-7) gives a
+            restoration curve of pure rounding and a meaningless half layer; at 0.01 the
+            rounding of ``r`` stays below ~1e-5 typical (notebook 05 asks 0.05). 0 accepts any
+            gap (for checks of ``probs`` alone).
 
     Returns:
         :class:`Patching` with ``probs`` (n+1,) float32 (float64 for a float64 model).
+
+    Raises:
+        ValueError: bad arguments, or a gap below ``min_gap`` (choose another corruption).
     """
+    check_same_model(model, trace)
     targets = trace.targets
+    if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) or not 0.0 <= min_gap <= 1.0:
+        raise ValueError(f"min_gap must be a probability in [0, 1], got {min_gap!r}")
     if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < len(targets):
         raise ValueError(f"target must be an index in 0..{len(targets) - 1}, got {target!r}")
     ids = torch.as_tensor(corrupted_ids)
@@ -941,6 +967,12 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
     last = final[0]  # (n+1, d): rows 0..n-1 restored at node L, row n corrupted
     last = torch.cat([last[:n], clean[n][None].to(last), last[n:]])  # (n+2, d)
     probs = Readout(model)(last, targets[target]).cpu()
+    gap = float(probs[n]) - float(probs[n + 1])
+    if abs(gap) < min_gap:
+        raise ValueError(f"the corrupted run changes the target's probability by only "
+                         f"p_clean - p' = {gap:.3g} ({float(probs[n]):.6g} - {float(probs[n + 1]):.6g}), "
+                         f"less than min_gap={min_gap}: its restoration curve would be rounding. "
+                         "Choose a corruption that changes the prediction (or lower min_gap)")
     return Patching(probs=probs[:n + 1], p_clean=float(probs[n]), p_corrupted=float(probs[n + 1]))
 
 
@@ -960,25 +992,36 @@ def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
 def spearman_rows(scores, effects) -> np.ndarray:
     """(T,) Spearman rank correlation, per token, between a per-layer score and ablation effects.
 
+    Ranks are :func:`iglens_core.tied_ranks`: values within the rank tolerance are ties, so the
+    statistic does not order rounding (the level ``f(h_L)`` and the cumulative
+    ``f(h_L) - f(h_0)`` give the same number), and ties take their average rank.
+
     Args:
         scores, effects: (T, n), e.g. IG-Lens values and :func:`ablation_effects`.
 
     Returns:
-        (T,) float64 in [-1, 1]; NaN for a token whose scores or effects are all equal.
+        (T,) float64 in [-1, 1]; NaN for a token whose scores or effects are all tied.
     """
-    from scipy.stats import spearmanr
     scores, effects = _check_pair(scores, effects)
+    a, b = tied_ranks(scores), tied_ranks(effects)
     out = np.full(len(scores), np.nan)
-    for t, (a, b) in enumerate(zip(scores, effects)):
-        if np.ptp(a) > 0 and np.ptp(b) > 0:
-            out[t] = spearmanr(a, b).statistic
+    for t, (x, y) in enumerate(zip(a, b)):
+        if np.ptp(x) > 0 and np.ptp(y) > 0:
+            x, y = x - x.mean(), y - y.mean()
+            out[t] = float(x @ y / np.sqrt((x @ x) * (y @ y)))
     return out
 
 
 def top1_agreement(scores, effects) -> np.ndarray:
-    """(T,) 1.0 where the top-scored layer is also the layer whose ablation hurts most, else 0.0."""
+    """(T,) 1.0 where the top-scored layer is among the layers whose ablation hurts most, else 0.0.
+
+    The top-scored layer is :func:`iglens_core.top_indices` (ties within the rank tolerance go to
+    the earlier layer); "hurts most" is the top group of :func:`iglens_core.tied_ranks` of the
+    effects (every layer tied with the largest effect)."""
     scores, effects = _check_pair(scores, effects)
-    return (scores.argmax(-1) == effects.argmax(-1)).astype(float)
+    named = top_indices(scores)                      # (T, 1)
+    ranks = tied_ranks(effects)
+    return (np.take_along_axis(ranks, named, -1)[:, 0] == ranks.max(-1)).astype(float)
 
 
 def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -> np.ndarray:
@@ -986,21 +1029,26 @@ def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -
 
     For each token the method names a layer (its top-scored layer, or ``named``); the test
     passes (1.0) when that layer's ablation effect exceeds the median effect of the layers the
-    method scores lower, and fails (0.0) otherwise; NaN where no layer scores lower.
+    method scores lower, and fails (0.0) otherwise; NaN where no layer scores lower. "Lower" and
+    "exceeds" are taken with the rank tolerance (:func:`iglens_core.tied_ranks`,
+    :func:`iglens_core.tie_tolerance`): a layer tied with the named one is not lower, and an
+    effect within tolerance of the median does not exceed it.
 
     Args:
         scores, effects: (T, n).
-        named: (T,) indices (0-based, into the n layers) of the named layer; default argmax.
+        named: (T,) indices (0-based, into the n layers) of the named layer; default the
+            tolerant arg-max :func:`iglens_core.top_indices`.
     """
     scores, effects = _check_pair(scores, effects)
-    named = scores.argmax(-1) if named is None else np.asarray(named, dtype=int)
+    named = top_indices(scores)[:, 0] if named is None else np.asarray(named, dtype=int)
     if named.shape != (len(scores),) or named.min(initial=0) < 0 or named.max(initial=0) >= scores.shape[1]:
         raise ValueError(f"named must hold {len(scores)} layer indices in 0..{scores.shape[1] - 1}")
+    ranks, tolerance = tied_ranks(scores), tie_tolerance(effects)[:, 0]
     out = np.full(len(scores), np.nan)
     for t, j in enumerate(named):
-        lower = scores[t] < scores[t, j]
+        lower = ranks[t] < ranks[t, j]
         if lower.any():
-            out[t] = float(effects[t, j] > np.median(effects[t, lower]))
+            out[t] = float(effects[t, j] > np.median(effects[t, lower]) + tolerance[t])
     return out
 
 

@@ -1,9 +1,11 @@
 """Every bad input raises a ValueError that names the value and the valid range."""
+import copy
 import os
 
 import pytest
 import torch
 
+import iglens_compare as cmp
 import iglens_core as ig
 import iglens_data as igd
 import iglens_plot as igp
@@ -161,3 +163,89 @@ def test_bad_dataset(tmp_path, setup):
         igd.attribute_dataset(model, None, {"prompt": ["x"]}, batch_size=0)
     with pytest.raises(ValueError, match=r"resume=True needs out="):
         igd.attribute_dataset(model, None, {"prompt": ["x"]}, resume=True)
+
+
+# --- issue 24: a name where a model belongs, non-integer prompt_len, encode types, budgets,
+# --- traces and readouts of another model, patching below the gap, models on the meta device
+
+def test_model_name_where_a_model_belongs(setup):
+    model, trace = setup
+    match = r"model must be a loaded torch model.*'smollm2-135m-instruct'.*ig\.load_model"
+    with pytest.raises(ValueError, match=match):
+        ig.collect("smollm2-135m-instruct", trace.input_ids, 5)
+    with pytest.raises(ValueError, match=match):
+        ig.ig_lens("smollm2-135m-instruct", trace)
+    with pytest.raises(ValueError, match=match):
+        cmp.ablation_effects("smollm2-135m-instruct", trace)
+    with pytest.raises(ValueError, match=r"model must be a loaded torch model.*got int"):
+        ig.Readout(5)
+
+
+@pytest.mark.parametrize("bad", [4.0, 4.5, "4", True])
+def test_prompt_len_must_be_an_integer(setup, bad):
+    model, trace = setup
+    with pytest.raises(ValueError, match=r"prompt_len must be in 1\.\.11.*integer, got"):
+        ig.collect(model, trace.input_ids, bad)
+    with pytest.raises(ValueError, match=r"prompt_len must be in 1\.\.11.*integer, got"):
+        ig.collect_batch(model, [(trace.input_ids, bad)])
+
+
+def test_encode_types(packaged):
+    _, tokenizer = packaged
+    with pytest.raises(ValueError, match=r"prompt must be a non-empty string, got list \['a', 'b'\]"):
+        ig.encode(tokenizer, ["a", "b"])
+    with pytest.raises(ValueError, match=r"answer must be a non-empty string or None.*got 5"):
+        ig.encode(tokenizer, "q", answer=5)
+
+
+@pytest.mark.parametrize("budget", [0, -5, 2.5, True])
+def test_memory_budget(setup, budget):
+    with pytest.raises(ValueError, match=rf"memory_budget must be a positive integer number of bytes, got {budget}"):
+        ig.Readout(setup[0], memory_budget=budget)
+
+
+def test_trace_or_readout_of_another_model_of_the_same_sizes(setup):
+    model, trace = setup
+    other = tiny_model("llama", seed=1)          # same sizes, other weights
+    # without the check the other model silently gives another p_final: the case is real
+    unmarked = ig.Trace(**{**trace.__dict__, "model_fingerprint": None})   # built by hand: not checked
+    assert not torch.allclose(ig.logit_lens(other, unmarked)[:, -1], trace.model_probs, atol=1e-3)
+    match = r"the trace comes from another model.*collect it with this model"
+    for call in (lambda: ig.ig_lens(other, trace), lambda: ig.logit_lens(other, trace),
+                 lambda: cmp.direct_logit_attribution(other, trace),
+                 lambda: cmp.ablation_effects(other, trace),
+                 lambda: cmp.activation_patching(other, trace, trace.input_ids[:, :5], min_gap=0)):
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(ValueError, match=r"the readout comes from another model.*Readout\(model\)"):
+        ig.ig_lens(model, trace, readout=ig.Readout(other))
+    parts = ig.collect_components(model, trace.input_ids, 5)
+    with pytest.raises(ValueError, match=match):
+        ig.components(other, parts, resolution="head")
+    # the same model in float64, or a trace from collect_batch, is accepted
+    double = copy.deepcopy(model).double()
+    ig.ig_lens(double, trace)
+    ig.ig_lens(model, ig.collect_batch(model, [(trace.input_ids, 5)])[0])
+    with pytest.raises(ValueError, match=match):
+        ig.ig_lens(other, ig.collect_batch(model, [(trace.input_ids, 5)])[0])
+
+
+def test_patching_refuses_a_gap_below_rounding(setup):
+    model, trace = setup
+    clean = trace.input_ids[:, :int(trace.positions[3]) + 1]   # the clean prefix as the corruption
+    with pytest.raises(ValueError, match=r"p_clean - p' = .*less than min_gap=0\.01"):
+        cmp.activation_patching(model, trace, clean, target=3)
+    for bad in (-0.1, 1.5, "0.1"):
+        with pytest.raises(ValueError, match=r"min_gap must be a probability in \[0, 1\]"):
+            cmp.activation_patching(model, trace, clean, target=3, min_gap=bad)
+
+
+def test_meta_device(setup):
+    with pytest.raises(ValueError, match=r"device='meta' gives a model without weights"):
+        ig.load_model(device="meta")
+    with torch.device("meta"):
+        meta = type(setup[0])(setup[0].config)
+    with pytest.raises(ValueError, match=r"weights are on the 'meta' device"):
+        ig.collect(meta, setup[1].input_ids, 5)
+    with pytest.raises(ValueError, match=r"weights are on the 'meta' device"):
+        ig.ig_lens(meta, setup[1])

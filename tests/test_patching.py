@@ -49,7 +49,7 @@ def test_patching_equals_spliced_full_reruns(arch, length_change):
     vocab = model.config.vocab_size
     corrupted = _corrupt(trace.input_ids, int(trace.positions[target]), seed=7, vocab=vocab,
                          length_change=length_change)
-    result = cmp.activation_patching(model, trace, corrupted, target=target)
+    result = cmp.activation_patching(model, trace, corrupted, target=target, min_gap=0)
     n = trace.n_layers
     y = int(trace.targets[target])
     assert result.probs.shape == (n + 1,)
@@ -72,7 +72,7 @@ def test_patching_float64_exact():
     model = tiny_model("llama", seed=2, dtype=torch.float64)
     trace = random_trace(model, seed=5)
     corrupted = _corrupt(trace.input_ids, int(trace.positions[0]), seed=1, vocab=model.config.vocab_size)
-    result = cmp.activation_patching(model, trace, corrupted)
+    result = cmp.activation_patching(model, trace, corrupted, min_gap=0)
     assert result.probs.dtype == torch.float64
     y = int(trace.targets[0])
     expected = [_spliced_probs(model, corrupted, layer, trace.hidden[layer, 0], y) for layer in range(trace.n_layers + 1)]
@@ -86,7 +86,7 @@ def test_clean_prompt_as_corruption_restores_nothing_to_restore(arch):
     trace = random_trace(model, seed=2)
     target = 3
     result = cmp.activation_patching(model, trace, trace.input_ids[:, :int(trace.positions[target]) + 1],
-                                     target=target)
+                                     target=target, min_gap=0)
     torch.testing.assert_close(result.probs, torch.full_like(result.probs, float(trace.model_probs[target])),
                                atol=2e-6, rtol=1e-5)
     assert result.p_corrupted == pytest.approx(result.p_clean, abs=2e-6)

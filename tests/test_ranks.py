@@ -1,0 +1,112 @@
+"""Rank statistics that do not rank rounding: tied_ranks, top_indices and every metric built on them."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import rankdata, spearmanr
+
+import iglens_compare as cmp
+import iglens_core as ig
+from conftest import tiny_model
+
+
+def _separated(rng, shape):
+    """Random rows (values in 0..1.1) whose sorted neighbours are >= 0.01 apart, far above the tolerance."""
+    rows = np.cumsum(rng.uniform(0.01, 0.1, size=shape), -1)
+    return rng.permuted(rows, axis=-1)
+
+
+def _noisy(values, rng, relative=1e-9):
+    return values * (1 + relative * rng.standard_normal(values.shape))
+
+
+def test_tied_ranks_equal_scipy_when_separated_and_tie_within_tolerance():
+    rng = np.random.default_rng(0)
+    x = _separated(rng, (6, 11))
+    assert (ig.tied_ranks(x) == rankdata(x, axis=-1)).all()
+    # values closer than the tolerance share their average rank, as scipy does for exact ties
+    flat = np.array([[1e-9, 3e-7, 2e-6, 0.4, 0.9, 5e-8]])   # a curve flat near 0, then rising
+    want = rankdata(np.where(flat < 1e-5, 0.0, flat), axis=-1)
+    assert (ig.tied_ranks(flat) == want).all()
+    assert np.isnan(ig.tied_ranks(np.array([[0.1, np.nan, 0.2]]))).all()
+    tol = ig.tie_tolerance(flat)
+    assert tol.shape == (1, 1) and tol[0, 0] == pytest.approx(ig.RANK_ATOL + ig.RANK_RTOL * np.ptp(flat))
+
+
+def test_noise_and_shift_change_no_rank_top_k_onset_or_half():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        # realistic rows: a flat stretch of float noise near 0, then distinct steps
+        flat = rng.uniform(1e-9, 1e-6, size=(4, 8))
+        rising = np.cumsum(rng.uniform(0.01, 0.1, size=(4, 8)), -1)
+        x = np.concatenate([flat, rising], -1)
+        noisy, shifted = _noisy(x, rng), x + rng.uniform(-1, 1)
+        assert (ig.tied_ranks(noisy) == ig.tied_ranks(x)).all()
+        assert (ig.tied_ranks(shifted) == ig.tied_ranks(x)).all()
+        assert (ig.top_indices(noisy, 5) == ig.top_indices(x, 5)).all()
+        assert (ig.tied_ranks(x)[:, :8] == 4.5).all()   # the flat stretch is one tie
+        effects = rng.normal(size=x.shape)
+        assert (cmp.spearman_rows(noisy, effects) == cmp.spearman_rows(x, effects)).all()
+        assert (cmp.top1_agreement(noisy, effects) == cmp.top1_agreement(x, effects)).all()
+        np.testing.assert_array_equal(cmp.onset_beats_median(noisy, effects), cmp.onset_beats_median(x, effects))
+        restoration = x / x[:, -1:]
+        assert (cmp.restoration_half(_noisy(restoration, rng)) == cmp.restoration_half(restoration)).all()
+        a = ig.Attribution(torch.from_numpy(np.diff(x, prepend=0.0, axis=-1)), list(range(1, 17)),
+                           [f"L{j}" for j in range(1, 17)], torch.zeros(4), torch.from_numpy(x[:, -1]),
+                           torch.zeros(4, 17), 0.0, torch.zeros(4), torch.zeros(4), "prediction_aware", 1, "zero")
+        b = ig.Attribution(**{**a.__dict__, "values": torch.from_numpy(_noisy(a.values.numpy(), rng))})
+        assert (a.onset() == b.onset()).all()
+
+
+def test_spearman_rows_is_scipy_spearman_on_separated_rows():
+    rng = np.random.default_rng(2)
+    x, y = _separated(rng, (5, 9)), _separated(rng, (5, 9))
+    got = cmp.spearman_rows(x, y)
+    assert got == pytest.approx([spearmanr(a, b).statistic for a, b in zip(x, y)], abs=1e-12)
+
+
+def test_top_indices_is_argsort_when_separated_and_earliest_on_ties():
+    rng = np.random.default_rng(3)
+    x = _separated(rng, (3, 30))
+    assert (ig.top_indices(x, 4) == np.argsort(-x, -1)[:, :4]).all()
+    assert ig.top_indices(np.array([0.2, 0.7, 0.7 + 1e-7, 0.1]), 1).tolist() == [1]
+    with pytest.raises(ValueError, match="k must be"):
+        ig.top_indices(x, 31)
+
+
+def _cumulative_vs_level(model, trace):
+    """(T, n+1) IG-Lens prediction-aware cumulative curve [0, cumsum] and the logit-lens level."""
+    a = ig.ig_lens(model, trace)
+    curve = torch.cat([torch.zeros(len(a.values), 1, dtype=torch.float64), a.values.double().cumsum(-1)], -1)
+    return curve.numpy(), a.lens.double().numpy()
+
+
+def _assert_same_spearman(curve, level, rng):
+    assert (ig.tied_ranks(curve) == ig.tied_ranks(level)).all()
+    for _ in range(3):
+        effects = rng.normal(size=curve.shape)
+        np.testing.assert_array_equal(cmp.spearman_rows(curve, effects), cmp.spearman_rows(level, effects))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3"])
+def test_cumulative_and_level_give_the_same_spearman_tiny(arch):
+    rng = np.random.default_rng(4)
+    for seed in range(3):
+        model = tiny_model(arch, seed=seed)
+        ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(seed))
+        _assert_same_spearman(*_cumulative_vs_level(model, ig.collect(model, ids, 3)), rng)
+
+
+def test_cumulative_and_level_give_the_same_spearman_packaged(packaged):
+    model, tokenizer = packaged
+    rng = np.random.default_rng(5)
+    pairs = [("What is the capital of Vietnam?", "The capital of Vietnam is Hanoi."),
+             ("Name a primary colour.", "Red is a primary colour."),
+             ("Who wrote Hamlet?", "Hamlet was written by William Shakespeare."),
+             ("What is 2 + 2?", "2 + 2 = 4.")]
+    generator = torch.Generator().manual_seed(5)
+    for prompt, answer in pairs:
+        ids, prompt_len = ig.encode(tokenizer, prompt, answer)
+        # then random tokens: targets of probability 1e-17..1e-6 whose level curves are flat
+        # within rounding, where exact ranks of the two curves differ (10 of 29 tokens measured)
+        ids = torch.cat([ids, torch.randint(0, len(tokenizer), (1, 8), generator=generator)], 1)
+        _assert_same_spearman(*_cumulative_vs_level(model, ig.collect(model, ids, prompt_len)), rng)
