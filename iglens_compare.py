@@ -1327,3 +1327,153 @@ def bootstrap_ci(values, *, statistic: Callable = np.nanmean, n_boot: int = 2000
         boot = statistic(samples, axis=-1)
     low, high = np.nanquantile(boot, [(1 - level) / 2, (1 + level) / 2])
     return float(statistic(values)), float(low), float(high)
+
+
+# ---------------------------------------------------------------------------
+# 6. Experiment helpers: facts, subject swaps, bootstrap tables (notebooks 05 and 08)
+# ---------------------------------------------------------------------------
+
+FACT_COLUMNS = ("relation", "subject", "prompt", "object")
+
+
+def load_facts(source, *, statement: bool = False):
+    """A fact table (one fact per row: ``relation, subject, prompt, object``, and ``answer``).
+
+    Args:
+        source: a CSV path, or a DataFrame.
+        statement: for a base model: each prompt becomes its ``answer`` cut before the last
+            occurrence of its ``object`` ("The capital of France is" for "... is Paris."), which
+            the model must complete.
+
+    Raises:
+        ValueError: a missing column, or (``statement``) an answer that does not contain its object.
+    """
+    import pandas as pd
+    facts = source.copy() if isinstance(source, pd.DataFrame) else pd.read_csv(source)
+    missing = sorted(set(FACT_COLUMNS + (("answer",) if statement else ())) - set(facts.columns))
+    if missing:
+        raise ValueError(f"{'the fact table' if isinstance(source, pd.DataFrame) else source} lacks the columns "
+                         f"{missing} (found {list(facts.columns)})")
+    if statement:
+        cut = [str(a).rfind(str(o)) for a, o in zip(facts.answer, facts.object)]
+        bad = [i for i, at in enumerate(cut) if at < 0]
+        if bad:
+            raise ValueError(f"statement=True cuts each answer before its object, but {len(bad)} answers do not contain "
+                             f"it (rows {bad[:5]}, e.g. {facts.answer.iloc[bad[0]]!r} / {facts.object.iloc[bad[0]]!r})")
+        facts = facts.assign(prompt=[str(a)[:at].rstrip() for a, at in zip(facts.answer, cut)])
+    return facts
+
+
+def draw_facts(facts, n_per_relation: int, seed: int = 0):
+    """Up to ``n_per_relation`` facts drawn from *each* relation (all of a smaller relation), seeded.
+
+    The draws are pandas' ``facts.groupby("relation").sample(n, random_state=seed)`` wherever
+    every relation has at least ``n`` facts (one ``RandomState`` consumed relation by relation,
+    in sorted order); a relation with fewer facts gives all of them instead of cutting every
+    relation to its size.
+
+    Args:
+        facts: a fact table (:func:`load_facts`).
+        n_per_relation: facts per relation, >= 0; 0 keeps every fact.
+
+    Returns:
+        The drawn rows grouped by relation, with a fresh index ``0..N-1``.
+    """
+    if isinstance(n_per_relation, bool) or not isinstance(n_per_relation, (int, np.integer)) or n_per_relation < 0:
+        raise ValueError(f"n_per_relation must be an integer >= 0 (0: every fact), got {n_per_relation!r}")
+    if "relation" not in facts.columns:
+        raise ValueError(f"facts must have a 'relation' column, got {list(facts.columns)}")
+    import pandas as pd
+    if not n_per_relation:
+        return facts.reset_index(drop=True)
+    state = np.random.RandomState(seed)
+    parts = [group.sample(n=min(n_per_relation, len(group)), random_state=state)
+             for _, group in facts.groupby("relation")]
+    return (pd.concat(parts) if parts else facts.iloc[:0]).reset_index(drop=True)
+
+
+def swap_subject(text: str, old: str, new: str) -> str:
+    """``text`` with every ``old`` replaced by ``new`` (case-insensitive; where the matched text starts
+    with a capital, so does the replacement)."""
+    import re
+    return re.sub(re.escape(old), lambda m: new[0].upper() + new[1:] if m.group(0)[0].isupper() else new,
+                  text, flags=re.IGNORECASE)
+
+
+def corrupt_subject(tokenizer, fact, pool, *, length: int, answer_prefix: str = "", chat: bool = True,
+                    seed: int = 0) -> tuple[Optional[torch.Tensor], Optional[str], bool]:
+    """A subject-swap corruption: the same prompt with another subject of the same relation.
+
+    Candidates are the ``pool`` facts of ``fact``'s relation with another subject and another
+    object (case-insensitive), in a seeded random order. Each gives the token ids of the prompt
+    with the subject swapped (chat template as :func:`iglens_core.encode`) followed by
+    ``answer_prefix`` with the subject swapped (the answer up to the predicting position). The
+    first candidate whose ids have ``length`` tokens wins (every position then aligns with the
+    clean sequence); without one, the first candidate.
+
+    Args:
+        fact: one fact (a DataFrame row, a row of ``itertuples()`` or a dict) with ``relation``,
+            ``subject``, ``prompt`` and ``object``.
+        pool: the facts to draw the other subject from (e.g. the whole file).
+        length: the clean sequence's length through its predicting position.
+        answer_prefix: text of the answer before the predicted token ("" for a prompt alone).
+        seed: order of the candidates.
+
+    Returns:
+        ``(ids (1, L') long, other subject, L' == length)``, or ``(None, None, False)`` when the
+        relation has no other subject with another object.
+    """
+    from iglens_core import _prompt_ids
+    get = (lambda key: fact[key]) if isinstance(fact, dict) else (lambda key: getattr(fact, key))
+    relation, subject, prompt, obj = (get(key) for key in FACT_COLUMNS)
+    others = pool[(pool.relation == relation) & (pool.object.str.lower() != str(obj).lower())
+                  & (pool.subject != subject)]
+    first = None
+    for other in others.sample(frac=1.0, random_state=seed).itertuples():
+        text = swap_subject(answer_prefix, subject, other.subject)
+        ids = _prompt_ids(tokenizer, swap_subject(prompt, subject, other.subject), chat)
+        ids = torch.tensor([ids + (tokenizer(text, add_special_tokens=False)["input_ids"] if text else [])])
+        if ids.shape[1] == length:
+            return ids, other.subject, True
+        first = first or (ids, other.subject, False)
+    return first if first else (None, None, False)
+
+
+def format_ci(values, *, n_boot: int = 2000, seed: int = 0, digits: int = 2, signed: bool = False) -> str:
+    """``"mean [low, high]"``: :func:`bootstrap_ci` of ``values`` as text (``signed``: ``+0.12``)."""
+    spec = f"{'+' if signed else ''}.{digits}f"
+    est, low, high = bootstrap_ci(np.asarray(values, dtype=float), n_boot=n_boot, seed=seed)
+    return f"{est:{spec}} [{low:{spec}}, {high:{spec}}]"
+
+
+def bootstrap_table(frame, by: Sequence[str], metrics: Sequence[str], *, order: Optional[dict] = None,
+                    n_boot: int = 2000, seed: int = 0, digits: int = 2):
+    """One row per group of ``frame``: the group's keys, ``items`` (its rows) and, per metric, the
+    mean over its rows with a percentile-bootstrap 95% interval (:func:`format_ci`).
+
+    Args:
+        frame: one row per item (and method, mode, ...).
+        by: the grouping columns.
+        metrics: the columns to summarise (NaN entries are left out of a mean).
+        order: for some ``by`` columns, the order of their values (e.g. the methods); the other
+            columns keep the order in which their values first appear.
+
+    Returns:
+        A DataFrame, groups in that order.
+    """
+    import pandas as pd
+    by, order = list(by), dict(order or {})
+
+    def rank(column):
+        levels = order.get(column.name)
+        levels = pd.unique(column) if levels is None else levels
+        return column.map({value: i for i, value in enumerate(levels)})
+
+    frame = frame.sort_values(by, key=rank, kind="stable")
+    rows = []
+    for key, group in frame.groupby(by, sort=False):
+        row = dict(zip(by, key if isinstance(key, tuple) else (key,)), items=len(group))
+        for metric in metrics:
+            row[metric] = format_ci(group[metric].to_numpy(), n_boot=n_boot, seed=seed, digits=digits)
+        rows.append(row)
+    return pd.DataFrame(rows)
