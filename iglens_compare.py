@@ -1123,10 +1123,13 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
     the centre blocks ``1..n``.
 
     Cost. One clean and one corrupted forward pass record every state; then, per column, the
-    ``S`` restored copies (``S x len(seeds)`` for noise) run together, ``batch_size`` at a time,
-    from the first restored block on: the blocks below it see only corrupted states, which the
-    corrupted run already computed, so they are not rerun. The final norm and head read only
-    the last position.
+    restored copies (one per position, times ``len(seeds)`` for noise) run together,
+    ``batch_size`` at a time, from the first restored block on: the blocks below it see only
+    corrupted states, which the corrupted run already computed, so they are not rerun. A
+    position whose clean state equals the corrupted one bit for bit (before the subject; at node
+    0 everywhere but the subject) is not rerun either: putting it back changes nothing, so its
+    run is the corrupted run and its probability ``p'`` (per draw). The final norm and head
+    read only the last position.
 
     Args:
         model: a causal LM (Llama, Gemma, GPT-2, GPT-NeoX, Qwen2 and the other adapters' blocks).
@@ -1191,21 +1194,25 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
         embed_hook = _noise_hook(draws, positions)
     part = None if kind == "hidden" else kind
     calls, clean_hidden, clean_parts = _recorded_run(model, adapter, clean.to(device), sublayer=part)
-    hidden = _recorded_run(model, adapter, corrupted.to(device), embed_hook=embed_hook)[1]  # (n+1, k, S, d)
-    copies = hidden.shape[1]
+    _, hidden, parts = _recorded_run(model, adapter, corrupted.to(device), sublayer=part, embed_hook=embed_hook)
+    copies = hidden.shape[1]  # hidden (n+1, k, S, d), parts (n, k, S, d): k draws (1 for a swap)
+    p_draws = readout(hidden[n, :, -1], torch.tensor(target)).cpu()  # (k,) each draw's p'
     p_clean = float(readout(clean_hidden[n, 0, -1], torch.tensor(target)))
-    p_corrupted = float(readout(hidden[n, :, -1], torch.tensor(target)).double().mean())
+    p_corrupted = float(p_draws.double().mean())
     if abs(p_clean - p_corrupted) < min_gap:
         raise ValueError(f"the corruption moves the target's probability by {p_clean - p_corrupted:+.2e} "
                          f"(p_clean {p_clean:.6f}, p' {p_corrupted:.6f}), less than min_gap={min_gap}: "
                          "the restoration would be rounding noise")
     layers = torch.arange(n + 1) if kind == "hidden" else torch.arange(1, n + 1)
-    rows = torch.arange(length * copies, device=device)
-    row_positions, row_copies = rows // copies, rows % copies  # row = position * copies + draw
-    probs = torch.empty(length * copies, len(layers), dtype=precision(readout.dtype))
+    probs = p_draws[None, :, None].repeat(length, 1, len(layers))  # (S, k, N): an unchanged run gives p'
     for column, layer in enumerate(layers.tolist()):
         blocks = [] if kind == "hidden" else list(rome_window(layer, window, n))
         first = layer if kind == "hidden" else blocks[0] - 1  # node the run starts from
+        clean_states, states = ((clean_hidden[layer:layer + 1], hidden[layer:layer + 1]) if kind == "hidden"
+                                else (clean_parts[first:blocks[-1]], parts[first:blocks[-1]]))
+        changed = (clean_states != states).flatten(0, 1).any(-1).any(0).nonzero()[:, 0]  # positions to rerun
+        rows = torch.arange(len(changed) * copies, device=device)
+        row_positions, row_copies = changed.to(device)[rows // copies], rows % copies  # position-major
         for start in range(0, len(rows), batch_size):
             at, draw = row_positions[start:start + batch_size], row_copies[start:start + batch_size]
             state = hidden[first, draw]  # (B, S, d) corrupted
@@ -1219,8 +1226,8 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
             finally:
                 for hook in hooks:
                     hook.remove()
-            probs[start:start + batch_size, column] = readout(state[:, -1], torch.tensor(target)).cpu()
-    probs = probs.reshape(length, copies, -1).double().mean(1).to(probs.dtype)  # (S, N)
+            probs[at.cpu(), draw.cpu(), column] = readout(state[:, -1], torch.tensor(target)).cpu()
+    probs = probs.double().mean(1).to(probs.dtype)  # (S, N)
     return CausalTrace(probs=probs, p_clean=p_clean, p_corrupted=p_corrupted, kind=kind, window=window,
                        layers=layers)
 
