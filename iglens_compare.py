@@ -12,6 +12,8 @@ The method lives in :mod:`iglens_core`; this module imports it and holds, in rea
 4. causal tracing: restore one clean state (residual, attention or MLP output) at every position
    and layer of a corrupted run, ROME's grid (``causal_trace`` -> ``CausalTrace``)
 5. onset metrics: Spearman per token, top-1 agreement, the falsification test, bootstrap intervals
+6. experiment helpers of notebooks 05 and 08: fact tables and per-relation draws, subject-swap
+   corruptions, bootstrap summary tables
 
 Shapes follow the core: ``T`` predicting positions, ``n`` blocks, ``d`` hidden size, ``V`` vocabulary.
 """
@@ -1103,14 +1105,15 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
     repeated with the clean ``h_L`` (node 0 the embedding output, node L the output of block L)
     put back at position ``s`` alone, every later block run, and the target read at the last
     position: ``r(s, L) = (p_{s,L} - p') / (p_clean - p')``. Node ``n`` matters only at the last
-    position (``r(S-1, n) = 1``; elsewhere ``p' `` is unchanged).
+    position (``r(S-1, n) = 1``; elsewhere the probability stays ``p'``).
 
     Corruption, one of:
 
     - ``corrupted_ids``: the same template with another subject (subject swap), of the clean
       length, so that every position aligns;
     - ``corrupted_ids=None`` with ``subject`` (positions) and ``noise``: ROME's recipe, Gaussian
-      noise of standard deviation ``noise`` (default ``3 * embedding_std(model)``) added to the
+      noise of standard deviation ``noise`` (default ``3 * embedding_std(model)``, over the whole
+      vocabulary; ROME measured it over its subjects' tokens: ``3 * embedding_std(model, ids)``) added to the
       embedding module's output at the subject positions. Draw ``i`` is
       ``noise * torch.randn((len(subject), d), generator=torch.Generator().manual_seed(seeds[i]))``
       (float32, on the CPU, so it is the same on every device); every probability is the mean
