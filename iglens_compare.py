@@ -9,7 +9,11 @@ The method lives in :mod:`iglens_core`; this module imports it and holds, in rea
    neurons (``component_ablation``, notebook 07): total effects through every later block
 3. activation patching: restore the clean residual at the predicting position, every layer in one
    batch (``activation_patching`` -> ``Patching``, notebook 05)
-4. onset metrics: Spearman per token, top-1 agreement, the falsification test, bootstrap intervals
+4. causal tracing: restore one clean state (residual, attention or MLP output) at every position
+   and layer of a corrupted run, ROME's grid (``causal_trace`` -> ``CausalTrace``)
+5. onset metrics: Spearman per token, top-1 agreement, the falsification test, bootstrap intervals
+6. experiment helpers of notebooks 05 and 08: fact tables and per-relation draws, subject-swap
+   corruptions, bootstrap summary tables
 
 Shapes follow the core: ``T`` predicting positions, ``n`` blocks, ``d`` hidden size, ``V`` vocabulary.
 """
@@ -584,7 +588,11 @@ def _check_ablation(mode: str, batch_size: int) -> None:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
 
 
-def _ablated_module(block: nn.Module, part: Optional[str]) -> nn.Module:
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once what it needs is recorded."""
+
+
+def _sublayer_module(block: nn.Module, part: Optional[str]) -> nn.Module:
     if part is None:
         return block
     module = _first_attr(block, _ATTENTIONS if part == "attn" else _MLPS)
@@ -607,23 +615,53 @@ def _ablation_hook(rows: torch.Tensor, mode: str, whole_block: bool):
     return hook
 
 
-def _block_calls(model, adapter: Adapter, input_ids: torch.Tensor) -> list[tuple[tuple, dict]]:
-    """One clean forward; the ``(args, kwargs)`` each block was called with (inputs detached)."""
-    calls: list = [None] * adapter.n_layers
+def _recorded_run(model, adapter: Adapter, input_ids: torch.Tensor, *, sublayer: Optional[str] = None,
+                  embed_hook: Optional[Callable] = None):
+    """One forward pass of ``input_ids`` (B, S), stopped at the final norm (no head), recording:
+
+    - ``calls``: the ``(args, kwargs)`` each block was called with (masks, rotary embeddings);
+    - ``hidden``: (n+1, B, S, d) the residual stream at every node and position (node 0 the input
+      of block 1, node L the output of block L, node n the input of the final norm);
+    - ``outputs``: (n, B, S, d) the output of each block's ``sublayer`` module (``"attn"`` /
+      ``"mlp"``, before any post-norm), or None.
+
+    ``embed_hook``: a forward hook put on the input embedding module for this run (e.g. noise)."""
+    n = adapter.n_layers
+    calls: list = [None] * n
+    outputs: list = [None] * n
+    final: list = []
 
     def record(layer):
         def hook(module, args, kwargs):
             calls[layer] = (tuple(args), dict(kwargs))
         return hook
 
+    def keep(layer):
+        def hook(module, args, output):
+            outputs[layer] = _first_output(output).detach()
+        return hook
+
+    def stop(module, args, kwargs):
+        final.append(_hidden_arg(args, kwargs).detach())
+        raise _Stop
+
     hooks = [block.register_forward_pre_hook(record(layer), with_kwargs=True)
              for layer, block in enumerate(adapter.blocks)]
+    hooks.append(adapter.norm.register_forward_pre_hook(stop, with_kwargs=True))
+    if sublayer is not None:
+        hooks += [_sublayer_module(block, sublayer).register_forward_hook(keep(layer))
+                  for layer, block in enumerate(adapter.blocks)]
+    if embed_hook is not None:
+        hooks.append(model.get_input_embeddings().register_forward_hook(embed_hook))
     try:
         model(input_ids, use_cache=False)
+    except _Stop:
+        pass
     finally:
         for hook in hooks:
             hook.remove()
-    return calls
+    hidden = torch.stack([_hidden_arg(*call).detach() for call in calls] + final)  # (n+1, B, S, d)
+    return calls, hidden, torch.stack(outputs) if sublayer is not None else None
 
 
 def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -692,7 +730,7 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
         raise ValueError(f"layers must be a non-empty list of blocks in 1..{n}, got {layers}")
     readout = Readout(model)
     device = next(model.parameters()).device
-    calls = _block_calls(model, adapter, trace.input_ids.to(device))
+    calls = _recorded_run(model, adapter, trace.input_ids.to(device))[0]
     positions, targets = trace.positions.to(device), trace.targets.to(device)
     order = sorted(range(len(layers)), key=lambda i: layers[i])  # neighbours share a start block
     p_ablated = torch.empty(len(layers), len(targets), dtype=readout.dtype if readout.dtype == torch.float64
@@ -700,7 +738,7 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         first = min(layers[i] for i in chunk) - 1  # 0-based block the run starts at
-        hooks = [_ablated_module(adapter.blocks[layers[i] - 1], part).register_forward_hook(
+        hooks = [_sublayer_module(adapter.blocks[layers[i] - 1], part).register_forward_hook(
             _ablation_hook(torch.tensor([row], device=device), mode, part is None), with_kwargs=True)
             for row, i in enumerate(chunk)]
         try:
@@ -839,15 +877,34 @@ class Patching:
     def restoration(self) -> torch.Tensor:
         """(n+1,) float64 ``r(L) = (p_L - p') / (p_clean - p')``: 0 = nothing restored, 1 = all;
         NaN where the corruption does not change the probability (``p_clean == p'``)."""
-        gap = self.p_clean - self.p_corrupted
-        if gap == 0.0:
-            return torch.full(self.probs.shape, math.nan, dtype=torch.float64)
-        return (self.probs.double() - self.p_corrupted) / gap
+        return _restoration(self.probs, self.p_clean, self.p_corrupted)
 
     def half_layer(self, level: float = 0.5) -> int:
         """First node ``L`` in ``0..n`` with ``r(L) >= level`` (``n`` always qualifies: ``r(n) = 1``);
         -1 when the restoration is undefined (NaN)."""
         return restoration_half(self.restoration[None], level)[0]
+
+
+def _restoration(probs: torch.Tensor, p_clean: float, p_corrupted: float) -> torch.Tensor:
+    """float64 ``(probs - p') / (p_clean - p')``; NaN everywhere when ``p_clean == p'``."""
+    gap = p_clean - p_corrupted
+    if gap == 0.0:
+        return torch.full(probs.shape, math.nan, dtype=torch.float64)
+    return (probs.double() - p_corrupted) / gap
+
+
+def _check_ids(model, ids, name: str) -> torch.Tensor:
+    """``ids`` as (1, L) long token ids of the model's vocabulary, L >= 1; else ValueError."""
+    ids = torch.as_tensor(ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be (1, L) integer token ids with L >= 1, got "
+                         f"shape {tuple(ids.shape)} dtype {ids.dtype}")
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{name} must be token ids in 0..{vocab - 1}, got {int(ids.min())}..{int(ids.max())}")
+    return ids.long()
 
 
 def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
@@ -867,10 +924,6 @@ def restoration_half(restoration, level: float = 0.5) -> np.ndarray:
     out = reached.argmax(-1)
     out[np.isnan(r).all(-1)] = -1
     return out
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once what it needs is recorded."""
 
 
 def _splice_last(row: int, value: torch.Tensor):
@@ -928,21 +981,13 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
         raise ValueError(f"min_gap must be a probability in [0, 1], got {min_gap!r}")
     if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < len(targets):
         raise ValueError(f"target must be an index in 0..{len(targets) - 1}, got {target!r}")
-    ids = torch.as_tensor(corrupted_ids)
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"corrupted_ids must be (1, L') integer token ids with L' >= 1, got "
-                         f"shape {tuple(ids.shape)} dtype {ids.dtype}")
-    vocab = model.get_input_embeddings().num_embeddings
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"corrupted_ids must be token ids in 0..{vocab - 1}, got {int(ids.min())}..{int(ids.max())}")
+    ids = _check_ids(model, corrupted_ids, "corrupted_ids")
     adapter = get_adapter(model)
     n = adapter.n_layers
     if trace.n_layers != n:
         raise ValueError(f"trace has {trace.n_layers} blocks, the model {n}: not this model's trace")
     device = next(model.parameters()).device
-    ids = ids.long().to(device)
+    ids = ids.to(device)
     cache = None
     if ids.shape[1] > 1:  # keys and values of the corrupted prefix, one copy per restored node
         cache = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
@@ -977,7 +1022,253 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
 
 
 # ---------------------------------------------------------------------------
-# 4. Onset metrics (does a per-layer score rank layers the way ablation does?)
+# 4. Causal tracing (restore one clean state at every position and layer, ROME)
+# ---------------------------------------------------------------------------
+
+TRACE_KINDS = ("hidden", "attn", "mlp")
+# Below this gap between p_clean and p' a restoration is rounding noise: a float32 readout is off
+# by up to ~1e-5 in probability (iglens_core._target_prob), which is 1% of a 1e-3 gap.
+MIN_GAP = 1e-3
+NOISE_SAMPLES = 10  # ROME's number of noise draws
+
+
+@dataclass
+class CausalTrace:
+    """Restoration grid of one fact (:func:`causal_trace`).
+
+    Attributes:
+        probs: (S, N) the target's probability at the last position when the clean state at
+            position ``s`` and column ``j`` is restored in the corrupted run (mean over the noise
+            draws for a noise corruption). float32 (float64 for a float64 model).
+        p_clean: the clean run's probability of the target.
+        p_corrupted: ``p'``, the corrupted run's probability of the target (mean over draws).
+        kind: ``"hidden"``, ``"attn"`` or ``"mlp"``.
+        window: blocks restored together (``"attn"`` / ``"mlp"``; 1 for ``"hidden"``).
+        layers: (N,) what column ``j`` restores: for ``"hidden"`` the node ``0..n`` (0 the
+            embedding output, L the output of block L), for ``"attn"`` / ``"mlp"`` the centre
+            block ``1..n`` of the window.
+    """
+    probs: torch.Tensor
+    p_clean: float
+    p_corrupted: float
+    kind: str
+    window: int
+    layers: torch.Tensor
+
+    @property
+    def restoration(self) -> torch.Tensor:
+        """(S, N) float64 ``r(s, L) = (p_{s,L} - p') / (p_clean - p')``: 0 nothing restored, 1 all."""
+        return _restoration(self.probs, self.p_clean, self.p_corrupted)
+
+
+def rome_window(block: int, window: int, n_layers: int) -> range:
+    """Blocks (1-based) restored together around ``block``, as ROME centres its window:
+    ``block - window // 2 .. block + ceil(window / 2) - 1``, clipped to ``1..n``; e.g. window 10
+    around block 12 restores blocks 7..16, window 1 block 12 alone."""
+    return range(max(1, block - window // 2), min(n_layers, block + (window + 1) // 2 - 1) + 1)
+
+
+@torch.no_grad()
+def embedding_std(model, token_ids=None) -> float:
+    """Standard deviation of the input embedding module's outputs, over every element.
+
+    Args:
+        token_ids: the tokens to measure (ROME: the subjects' tokens of its fact set); default
+            the whole vocabulary (in chunks). The module's own output is used, so a scaled
+            embedding (Gemma's ``sqrt(d)``) is measured as the blocks see it.
+    """
+    embed = model.get_input_embeddings()
+    vocab = embed.num_embeddings
+    ids = torch.arange(vocab) if token_ids is None else _check_ids(model, token_ids, "token_ids")[0]
+    device = next(model.parameters()).device
+    total = squares = 0.0
+    for start in range(0, len(ids), 4096):
+        values = embed(ids[start:start + 4096].to(device)).double()  # (chunk, d)
+        total, squares = total + values.sum().item(), squares + values.square().sum().item()
+    count = len(ids) * embed.embedding_dim
+    return math.sqrt(max(squares - total * total / count, 0.0) / max(count - 1, 1))
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _subject_positions(subject, length: int) -> range:
+    """``subject`` (a slice or a ``(start, stop)`` pair) as a non-empty range in ``0..length-1``."""
+    if isinstance(subject, tuple) and len(subject) == 2:
+        subject = slice(*subject)
+    if not isinstance(subject, slice) or subject.step not in (None, 1):
+        raise ValueError(f"subject must be a slice (or (start, stop) pair) of positions with step 1, got {subject!r}")
+    positions = range(length)[subject]
+    if not positions:
+        raise ValueError(f"subject {subject} selects no position of the {length}-token sequence (0..{length - 1})")
+    return positions
+
+
+def _noise_hook(draws: torch.Tensor, positions: range):
+    """Forward hook on the embedding module: ``draws`` (k, len(positions), d) added to batch row i."""
+    def hook(module, args, output):
+        output = output.clone()
+        output[:, positions.start:positions.stop] += draws.to(output)
+        return output
+    return hook
+
+
+def _restore_hook(positions: torch.Tensor, values: torch.Tensor):
+    """Forward hook: output row i at position ``positions[i]`` set to ``values[i]`` (B, d)."""
+    def hook(module, args, output):
+        out = _first_output(output).clone()
+        out[torch.arange(len(positions)), positions] = values.to(out)
+        return _replace_first(output, out)
+    return hook
+
+
+@torch.no_grad()
+def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "hidden", window: int = 1,
+                 noise: Optional[float] = None, subject=None, seeds: Optional[Sequence[int]] = None,
+                 min_gap: float = MIN_GAP, batch_size: int = 64) -> CausalTrace:
+    """Causal tracing (Meng et al. 2022, ROME): where, by position and layer, does restoring one
+    clean state bring the answer back?
+
+    The clean sequence predicts ``target`` at its last position with probability ``p_clean``; the
+    corrupted run gives ``p'``. For every position ``s`` and node ``L = 0..n`` the corrupted run is
+    repeated with the clean ``h_L`` (node 0 the embedding output, node L the output of block L)
+    put back at position ``s`` alone, every later block run, and the target read at the last
+    position: ``r(s, L) = (p_{s,L} - p') / (p_clean - p')``. Node ``n`` matters only at the last
+    position (``r(S-1, n) = 1``; elsewhere the probability stays ``p'``).
+
+    Corruption, one of:
+
+    - ``corrupted_ids``: the same template with another subject (subject swap), of the clean
+      length, so that every position aligns;
+    - ``corrupted_ids=None`` with ``subject`` (positions) and ``noise``: ROME's recipe, Gaussian
+      noise of standard deviation ``noise`` (default ``3 * embedding_std(model)``, over the whole
+      vocabulary; ROME measured it over its subjects' tokens: ``3 * embedding_std(model, ids)``) added to the
+      embedding module's output at the subject positions. Draw ``i`` is
+      ``noise * torch.randn((len(subject), d), generator=torch.Generator().manual_seed(seeds[i]))``
+      (float32, on the CPU, so it is the same on every device); every probability is the mean
+      over the draws (default ``seeds``: ``0..9``, ROME's ten samples).
+
+    Kinds. ``"hidden"`` restores the residual stream ``h_L`` (``window`` must be 1). ``"attn"``
+    / ``"mlp"`` restore only that sublayer module's output at position ``s`` (before any Gemma
+    post-norm), in the ``window`` blocks centred on block ``L`` as ROME does
+    (:func:`rome_window`); the blocks' other parts run on the corrupted stream. Columns are then
+    the centre blocks ``1..n``.
+
+    Cost. One clean and one corrupted forward pass record every state; then, per column, the
+    restored copies (one per position, times ``len(seeds)`` for noise) run together,
+    ``batch_size`` at a time, from the first restored block on: the blocks below it see only
+    corrupted states, which the corrupted run already computed, so they are not rerun. A
+    position whose clean state equals the corrupted one bit for bit (before the subject; at node
+    0 everywhere but the subject) is not rerun either: putting it back changes nothing, so its
+    run is the corrupted run and its probability ``p'`` (per draw). The final norm and head
+    read only the last position.
+
+    Args:
+        model: a causal LM (Llama, Gemma, GPT-2, GPT-NeoX, Qwen2 and the other adapters' blocks).
+        clean_ids: (1, S) or (S,) token ids; the target is predicted at the last position.
+        corrupted_ids: the same shape, or None for a noise corruption.
+        target: token id in ``0..V-1``, the clean answer.
+        kind: one of :data:`TRACE_KINDS`.
+        window: blocks per restoration, >= 1 (``"attn"`` / ``"mlp"`` only).
+        noise: standard deviation of the noise (embedding units), > 0; noise corruption only.
+        subject: slice or ``(start, stop)`` of the subject's positions; noise corruption only.
+        seeds: one seed per noise draw; noise corruption only.
+        min_gap: smallest ``|p_clean - p'|`` accepted (:data:`MIN_GAP`): below it the restoration
+            would divide rounding noise.
+        batch_size: restored copies per forward pass, >= 1.
+
+    Returns:
+        :class:`CausalTrace` with ``probs`` (S, n+1) for ``"hidden"``, (S, n) otherwise.
+
+    Raises:
+        ValueError: bad ids, lengths, target, kind, window, noise, subject or seeds, or a
+            corruption that moves the target's probability by less than ``min_gap``.
+    """
+    if kind not in TRACE_KINDS:
+        raise ValueError(f"kind must be one of {TRACE_KINDS}, got {kind!r}")
+    window = _check_positive_int("window", window)
+    if kind == "hidden" and window != 1:
+        raise ValueError(f"window applies to kind 'attn' / 'mlp' (ROME); kind 'hidden' restores one node: window must be 1, got {window}")
+    batch_size = _check_positive_int("batch_size", batch_size)
+    if not isinstance(min_gap, (int, float)) or not 0.0 <= min_gap < 1.0:
+        raise ValueError(f"min_gap must be a probability in [0, 1), got {min_gap!r}")
+    clean = _check_ids(model, clean_ids, "clean_ids")
+    length = clean.shape[1]
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    readout = Readout(model)
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < readout.vocab_size:
+        raise ValueError(f"target must be a token id in 0..{readout.vocab_size - 1}, got {target!r}")
+    device = next(model.parameters()).device
+    if corrupted_ids is not None:
+        if noise is not None or subject is not None or seeds is not None:
+            raise ValueError("noise=, subject= and seeds= set a noise corruption: pass corrupted_ids=None with them, "
+                             f"or leave them unset with corrupted_ids (got noise={noise!r}, subject={subject!r}, seeds={seeds!r})")
+        corrupted = _check_ids(model, corrupted_ids, "corrupted_ids")
+        if corrupted.shape != clean.shape:
+            raise ValueError(f"clean_ids and corrupted_ids must have the same length, got "
+                             f"{clean.shape[1]} and {corrupted.shape[1]}")
+        embed_hook = None
+    else:
+        if subject is None:
+            raise ValueError("corrupted_ids=None corrupts the subject with noise: pass subject= (its positions)")
+        positions = _subject_positions(subject, length)
+        seeds = list(range(NOISE_SAMPLES)) if seeds is None else list(seeds)
+        if not seeds or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in seeds):
+            raise ValueError(f"seeds must be a non-empty sequence of integers, got {seeds!r}")
+        noise = 3.0 * embedding_std(model) if noise is None else noise
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0.0 < noise < math.inf:
+            raise ValueError(f"noise must be a finite standard deviation > 0, got {noise!r}")
+        width = model.get_input_embeddings().embedding_dim
+        draws = torch.stack([noise * torch.randn((len(positions), width), generator=torch.Generator().manual_seed(int(x)))
+                             for x in seeds])  # (k, len(subject), d)
+        corrupted = clean.expand(len(seeds), -1)
+        embed_hook = _noise_hook(draws, positions)
+    part = None if kind == "hidden" else kind
+    calls, clean_hidden, clean_parts = _recorded_run(model, adapter, clean.to(device), sublayer=part)
+    _, hidden, parts = _recorded_run(model, adapter, corrupted.to(device), sublayer=part, embed_hook=embed_hook)
+    copies = hidden.shape[1]  # hidden (n+1, k, S, d), parts (n, k, S, d): k draws (1 for a swap)
+    p_draws = readout(hidden[n, :, -1], torch.tensor(target)).cpu()  # (k,) each draw's p'
+    p_clean = float(readout(clean_hidden[n, 0, -1], torch.tensor(target)))
+    p_corrupted = float(p_draws.double().mean())
+    if abs(p_clean - p_corrupted) < min_gap:
+        raise ValueError(f"the corruption moves the target's probability by {p_clean - p_corrupted:+.2e} "
+                         f"(p_clean {p_clean:.6f}, p' {p_corrupted:.6f}), less than min_gap={min_gap}: "
+                         "the restoration would be rounding noise")
+    layers = torch.arange(n + 1) if kind == "hidden" else torch.arange(1, n + 1)
+    probs = p_draws[None, :, None].repeat(length, 1, len(layers))  # (S, k, N): an unchanged run gives p'
+    for column, layer in enumerate(layers.tolist()):
+        blocks = [] if kind == "hidden" else list(rome_window(layer, window, n))
+        first = layer if kind == "hidden" else blocks[0] - 1  # node the run starts from
+        clean_states, states = ((clean_hidden[layer:layer + 1], hidden[layer:layer + 1]) if kind == "hidden"
+                                else (clean_parts[first:blocks[-1]], parts[first:blocks[-1]]))
+        changed = (clean_states != states).flatten(0, 1).any(-1).any(0).nonzero()[:, 0]  # positions to rerun
+        rows = torch.arange(len(changed) * copies, device=device)
+        row_positions, row_copies = changed.to(device)[rows // copies], rows % copies  # position-major
+        for start in range(0, len(rows), batch_size):
+            at, draw = row_positions[start:start + batch_size], row_copies[start:start + batch_size]
+            state = hidden[first, draw]  # (B, S, d) corrupted
+            if kind == "hidden":
+                state = state.clone()
+                state[torch.arange(len(at)), at] = clean_hidden[layer, 0, at]
+            hooks = [_sublayer_module(adapter.blocks[block - 1], kind).register_forward_hook(
+                _restore_hook(at, clean_parts[block - 1, 0, at])) for block in blocks]
+            try:
+                state = _run_blocks(adapter, calls, first, state)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            probs[at.cpu(), draw.cpu(), column] = readout(state[:, -1], torch.tensor(target)).cpu()
+    probs = probs.double().mean(1).to(probs.dtype)  # (S, N)
+    return CausalTrace(probs=probs, p_clean=p_clean, p_corrupted=p_corrupted, kind=kind, window=window,
+                       layers=layers)
+
+
+# ---------------------------------------------------------------------------
+# 5. Onset metrics (does a per-layer score rank layers the way ablation does?)
 # ---------------------------------------------------------------------------
 
 def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
@@ -1094,3 +1385,153 @@ def bootstrap_ci(values, *, statistic: Callable = np.nanmean, n_boot: int = 2000
         boot = statistic(samples, axis=-1)
     low, high = np.nanquantile(boot, [(1 - level) / 2, (1 + level) / 2])
     return float(statistic(values)), float(low), float(high)
+
+
+# ---------------------------------------------------------------------------
+# 6. Experiment helpers: facts, subject swaps, bootstrap tables (notebooks 05 and 08)
+# ---------------------------------------------------------------------------
+
+FACT_COLUMNS = ("relation", "subject", "prompt", "object")
+
+
+def load_facts(source, *, statement: bool = False):
+    """A fact table (one fact per row: ``relation, subject, prompt, object``, and ``answer``).
+
+    Args:
+        source: a CSV path, or a DataFrame.
+        statement: for a base model: each prompt becomes its ``answer`` cut before the last
+            occurrence of its ``object`` ("The capital of France is" for "... is Paris."), which
+            the model must complete.
+
+    Raises:
+        ValueError: a missing column, or (``statement``) an answer that does not contain its object.
+    """
+    import pandas as pd
+    facts = source.copy() if isinstance(source, pd.DataFrame) else pd.read_csv(source)
+    missing = sorted(set(FACT_COLUMNS + (("answer",) if statement else ())) - set(facts.columns))
+    if missing:
+        raise ValueError(f"{'the fact table' if isinstance(source, pd.DataFrame) else source} lacks the columns "
+                         f"{missing} (found {list(facts.columns)})")
+    if statement:
+        cut = [str(a).rfind(str(o)) for a, o in zip(facts.answer, facts.object)]
+        bad = [i for i, at in enumerate(cut) if at < 0]
+        if bad:
+            raise ValueError(f"statement=True cuts each answer before its object, but {len(bad)} answers do not contain "
+                             f"it (rows {bad[:5]}, e.g. {facts.answer.iloc[bad[0]]!r} / {facts.object.iloc[bad[0]]!r})")
+        facts = facts.assign(prompt=[str(a)[:at].rstrip() for a, at in zip(facts.answer, cut)])
+    return facts
+
+
+def draw_facts(facts, n_per_relation: int, seed: int = 0):
+    """Up to ``n_per_relation`` facts drawn from *each* relation (all of a smaller relation), seeded.
+
+    The draws are pandas' ``facts.groupby("relation").sample(n, random_state=seed)`` wherever
+    every relation has at least ``n`` facts (one ``RandomState`` consumed relation by relation,
+    in sorted order); a relation with fewer facts gives all of them instead of cutting every
+    relation to its size.
+
+    Args:
+        facts: a fact table (:func:`load_facts`).
+        n_per_relation: facts per relation, >= 0; 0 keeps every fact.
+
+    Returns:
+        The drawn rows grouped by relation, with a fresh index ``0..N-1``.
+    """
+    if isinstance(n_per_relation, bool) or not isinstance(n_per_relation, (int, np.integer)) or n_per_relation < 0:
+        raise ValueError(f"n_per_relation must be an integer >= 0 (0: every fact), got {n_per_relation!r}")
+    if "relation" not in facts.columns:
+        raise ValueError(f"facts must have a 'relation' column, got {list(facts.columns)}")
+    import pandas as pd
+    if not n_per_relation:
+        return facts.reset_index(drop=True)
+    state = np.random.RandomState(seed)
+    parts = [group.sample(n=min(n_per_relation, len(group)), random_state=state)
+             for _, group in facts.groupby("relation")]
+    return (pd.concat(parts) if parts else facts.iloc[:0]).reset_index(drop=True)
+
+
+def swap_subject(text: str, old: str, new: str) -> str:
+    """``text`` with every ``old`` replaced by ``new`` (case-insensitive; where the matched text starts
+    with a capital, so does the replacement)."""
+    import re
+    return re.sub(re.escape(old), lambda m: new[0].upper() + new[1:] if m.group(0)[0].isupper() else new,
+                  text, flags=re.IGNORECASE)
+
+
+def corrupt_subject(tokenizer, fact, pool, *, length: int, answer_prefix: str = "", chat: bool = True,
+                    seed: int = 0) -> tuple[Optional[torch.Tensor], Optional[str], bool]:
+    """A subject-swap corruption: the same prompt with another subject of the same relation.
+
+    Candidates are the ``pool`` facts of ``fact``'s relation with another subject and another
+    object (case-insensitive), in a seeded random order. Each gives the token ids of the prompt
+    with the subject swapped (chat template as :func:`iglens_core.encode`) followed by
+    ``answer_prefix`` with the subject swapped (the answer up to the predicting position). The
+    first candidate whose ids have ``length`` tokens wins (every position then aligns with the
+    clean sequence); without one, the first candidate.
+
+    Args:
+        fact: one fact (a DataFrame row, a row of ``itertuples()`` or a dict) with ``relation``,
+            ``subject``, ``prompt`` and ``object``.
+        pool: the facts to draw the other subject from (e.g. the whole file).
+        length: the clean sequence's length through its predicting position.
+        answer_prefix: text of the answer before the predicted token ("" for a prompt alone).
+        seed: order of the candidates.
+
+    Returns:
+        ``(ids (1, L') long, other subject, L' == length)``, or ``(None, None, False)`` when the
+        relation has no other subject with another object.
+    """
+    from iglens_core import _prompt_ids
+    get = (lambda key: fact[key]) if isinstance(fact, dict) else (lambda key: getattr(fact, key))
+    relation, subject, prompt, obj = (get(key) for key in FACT_COLUMNS)
+    others = pool[(pool.relation == relation) & (pool.object.str.lower() != str(obj).lower())
+                  & (pool.subject != subject)]
+    first = None
+    for other in others.sample(frac=1.0, random_state=seed).itertuples():
+        text = swap_subject(answer_prefix, subject, other.subject)
+        ids = _prompt_ids(tokenizer, swap_subject(prompt, subject, other.subject), chat)
+        ids = torch.tensor([ids + (tokenizer(text, add_special_tokens=False)["input_ids"] if text else [])])
+        if ids.shape[1] == length:
+            return ids, other.subject, True
+        first = first or (ids, other.subject, False)
+    return first if first else (None, None, False)
+
+
+def format_ci(values, *, n_boot: int = 2000, seed: int = 0, digits: int = 2, signed: bool = False) -> str:
+    """``"mean [low, high]"``: :func:`bootstrap_ci` of ``values`` as text (``signed``: ``+0.12``)."""
+    spec = f"{'+' if signed else ''}.{digits}f"
+    est, low, high = bootstrap_ci(np.asarray(values, dtype=float), n_boot=n_boot, seed=seed)
+    return f"{est:{spec}} [{low:{spec}}, {high:{spec}}]"
+
+
+def bootstrap_table(frame, by: Sequence[str], metrics: Sequence[str], *, order: Optional[dict] = None,
+                    n_boot: int = 2000, seed: int = 0, digits: int = 2):
+    """One row per group of ``frame``: the group's keys, ``items`` (its rows) and, per metric, the
+    mean over its rows with a percentile-bootstrap 95% interval (:func:`format_ci`).
+
+    Args:
+        frame: one row per item (and method, mode, ...).
+        by: the grouping columns.
+        metrics: the columns to summarise (NaN entries are left out of a mean).
+        order: for some ``by`` columns, the order of their values (e.g. the methods); the other
+            columns keep the order in which their values first appear.
+
+    Returns:
+        A DataFrame, groups in that order.
+    """
+    import pandas as pd
+    by, order = list(by), dict(order or {})
+
+    def rank(column):
+        levels = order.get(column.name)
+        levels = pd.unique(column) if levels is None else levels
+        return column.map({value: i for i, value in enumerate(levels)})
+
+    frame = frame.sort_values(by, key=rank, kind="stable")
+    rows = []
+    for key, group in frame.groupby(by, sort=False):
+        row = dict(zip(by, key if isinstance(key, tuple) else (key,)), items=len(group))
+        for metric in metrics:
+            row[metric] = format_ci(group[metric].to_numpy(), n_boot=n_boot, seed=seed, digits=digits)
+        rows.append(row)
+    return pd.DataFrame(rows)

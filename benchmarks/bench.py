@@ -28,6 +28,8 @@ Items, in the order of the issue:
     out the same grid, and against captum ``LayerIntegratedGradients`` over the same head and
     neuron activations;
 12. activation patching of every node of one fact against a loop of spliced full forward passes;
+13. causal tracing: the position x node grid of one fact (``causal_trace``) against one spliced
+    full forward pass per cell;
 
 and the levers measured for the readout (node products, chunk rows, log-softmax vs logsumexp,
 the tangent's product, inference mode).
@@ -965,10 +967,61 @@ def item12_patching(ctx) -> None:
         fmt_time(best["ours"]), fmt_time(best["naive"]), f"{ratio:.1f}x faster", ">= 5x", ratio >= 5)
 
 
+def item13_causal_trace(ctx) -> None:
+    """The causal-trace grid (every position x every node) of one fact vs one spliced forward per cell."""
+    import iglens_compare as cmp
+    model, tokenizer = ctx.model, ctx.tokenizer
+    template = "As every atlas and every school book agrees, the capital city of the country of {} is the city of"
+    clean, corrupted = (torch.tensor([ig._prompt_ids(tokenizer, template.format(c), False)], device=ctx.device)
+                        for c in ("France", "Greece"))  # same length: one token each
+    target = tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    adapter = ig.get_adapter(model)
+    n, length = adapter.n_layers, clean.shape[1]
+    clean_hidden = ig.collect(model, torch.cat([clean, clean[:, :1]], 1), 1).hidden  # (n+1, S, d): every position
+
+    def naive():  # per cell: the whole corrupted sequence, h_L at position s replaced by a hook
+        out = torch.empty(length, n + 1)
+        for layer in range(n + 1):
+            for s in range(length):
+                value = clean_hidden[layer, s].to(ctx.device, ctx.dtype)
+
+                def splice(mod, args, kwargs, value=value, s=s):
+                    hidden = (args[0] if args else kwargs["hidden_states"]).clone()
+                    hidden[:, s] = value
+                    return ((hidden,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+                def replace(mod, args, output, value=value, s=s):
+                    hidden = (output[0] if isinstance(output, tuple) else output).clone()
+                    hidden[:, s] = value
+                    return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+                handle = (adapter.blocks[0].register_forward_pre_hook(splice, with_kwargs=True) if layer == 0
+                          else adapter.blocks[layer - 1].register_forward_hook(replace))
+                try:
+                    logits = model(corrupted, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+                finally:
+                    handle.remove()
+                out[s, layer] = torch.softmax(logits, -1)[target].cpu()
+        return out
+
+    def ours():
+        return cmp.causal_trace(model, clean, corrupted, target)
+
+    reference, naive_time = timed(naive, ctx.device)  # ~n S forward passes: timed once
+    result = ours()
+    gap = (result.probs.float() - reference).abs().max().item()
+    ours_time = best_of({"ours": ours}, ctx.args.repeats, ctx.device, warmup=False)["ours"]
+    ratio = naive_time / ours_time
+    add(f"13. causal trace, full grid of one fact ({length} tokens x {n + 1} nodes, p_clean {result.p_clean:.2f}, "
+        f"p' {result.p_corrupted:.4f}; per node the restored copies in one batch from block L+1, positions whose "
+        f"clean and corrupted states are equal not rerun) vs "
+        f"{length * (n + 1)} spliced full forward passes (probabilities agree to {gap:.0e})",
+        fmt_time(ours_time), fmt_time(naive_time), f"{ratio:.1f}x faster", ">= 5x", ratio >= 5)
+
+
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
          5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers,
          10: item10_dataset, 11: item11_components,
-         12: item12_patching}
+         12: item12_patching, 13: item13_causal_trace}
 
 
 def main(argv=None) -> int:
@@ -985,7 +1038,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="item 6 at 64 tokens, longer sweeps")
     parser.add_argument("--facts", type=int, default=96, help="facts of item 10 (data/facts.csv)")
     parser.add_argument("--batch-size", type=int, default=16, help="items per batch of item 10")
-    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching)")
+    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching, 13 = causal trace)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:
