@@ -57,6 +57,9 @@ CPU_CHUNK_BYTES = 24 * 2**20
 ESTIMATORS = ("prediction_aware", "riemann_left", "riemann_right", "riemann_mid",
               "trapezoid", "gauss_legendre")
 BASELINES = ("embedding", "zero", "mean")
+# the scalar readout f that IG-Lens splits: the target's probability or log-probability (with a
+# foil: their difference; the log-probability difference is the logit difference z_y - z_foil)
+QUANTITIES = ("prob", "logprob")
 
 
 # ---------------------------------------------------------------------------
@@ -365,13 +368,62 @@ def _execution_device(module: nn.Module, default: torch.device) -> torch.device:
     return param.device if param is not None and param.device.type != "meta" else default
 
 
-def _target_prob(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``softmax(logits)`` at ``index`` along the last axis (same shape as ``index``).
+def _readout_value(logits: torch.Tensor, index: torch.Tensor, quantity: str) -> torch.Tensor:
+    """The readout quantity from logits (see :data:`QUANTITIES`).
+
+    Args:
+        logits: (..., V) the model's final logits.
+        index: (..., 1) the target, or (..., 2) the target and the foil.
+        quantity: ``"prob"`` or ``"logprob"``.
+
+    Returns:
+        (...) ``p(y)``, ``log p(y)``, ``p(y) - p(foil)`` or ``log p(y) - log p(foil)``; the last is
+        read as the logit difference ``z_y - z_foil`` (the log-sum-exp cancels exactly).
 
     ``log_softmax`` + gather: the fastest here (bench.py); in float32 at V = 49152 its internal sum
     costs up to 7e-6 in probability against float64 (an in-place exp and the summation kernel
     reach 3e-7 but take ~3x as long)."""
-    return torch.log_softmax(logits, -1).gather(-1, index).exp()
+    if quantity == "logprob" and index.shape[-1] == 2:
+        picked = logits.gather(-1, index)
+    else:
+        picked = torch.log_softmax(logits, -1).gather(-1, index)
+        picked = picked.exp() if quantity == "prob" else picked
+    return picked[..., 0] - picked[..., 1] if index.shape[-1] == 2 else picked[..., 0]
+
+
+def _readout_slope(probs: torch.Tensor, index: torch.Tensor, quantity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readout's derivative in the logits, ``df/dz = sum_k w_k e_(index_k) - c p``.
+
+    ``p(y)``: ``p_y (e_y - p)``; ``log p(y)``: ``e_y - p``; a foil subtracts its own term, so the
+    logit difference has ``c = 0``.
+
+    Args:
+        probs: (..., V) ``softmax(z)``; index: (..., K) the target (and the foil); quantity as
+            :func:`_readout_value`.
+
+    Returns:
+        ``(w (..., K), c (..., 1))``.
+    """
+    signs = torch.tensor([1.0, -1.0][:index.shape[-1]], dtype=probs.dtype, device=probs.device)
+    weights = probs.gather(-1, index) if quantity == "prob" else torch.ones(index.shape, dtype=probs.dtype,
+                                                                             device=probs.device)
+    weights = weights * signs
+    return weights, weights.sum(-1, keepdim=True)
+
+
+def _readout_tangent(probs: torch.Tensor, tangent: torch.Tensor, index: torch.Tensor,
+                     quantity: str) -> torch.Tensor:
+    """``<df/dz, tangent>`` (...) from ``probs`` and ``tangent`` (..., V); ``tangent`` is overwritten.
+
+    A float32 einsum/bmm here accumulates over V with errors up to 1e-3 (measured on SmolLM2
+    against float64); the summation kernel stays near 3e-6."""
+    weights, total = _readout_slope(probs, index, quantity)
+    return (weights * tangent.gather(-1, index)).sum(-1) - total[..., 0] * tangent.mul_(probs).sum(-1)
+
+
+def _check_quantity(quantity) -> None:
+    if quantity not in QUANTITIES:
+        raise ValueError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
@@ -872,47 +924,61 @@ class Readout:
             logits = torch.tanh(logits / self.adapter.softcap) * self.adapter.softcap
         return logits
 
+    def _index(self, targets, foils, shape) -> torch.Tensor:
+        """(points, K) the target (K = 1) and the foil (K = 2) of every point of ``shape``."""
+        columns = [targets] if foils is None else [targets, foils]
+        return torch.stack([torch.broadcast_to(torch.as_tensor(column), shape).reshape(-1)
+                            for column in columns], -1).to(self.device)
+
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Target probability at every point.
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor, foils: Optional[torch.Tensor] = None,
+                 *, quantity: str = "prob") -> torch.Tensor:
+        """The readout f at every point: the target probability by default.
 
         Args:
             hidden: (..., d) residual-stream points.
             targets: (...) token ids, broadcastable to ``hidden.shape[:-1]``.
+            foils: (...) token ids of a foil, broadcastable likewise, or None.
+            quantity: ``"prob"`` (f = p(y), or p(y) - p(foil)) or ``"logprob"`` (f = log p(y) in
+                nats, or log p(y) - log p(foil), which is the logit difference z_y - z_foil).
 
         Returns:
-            (...) float32 probabilities, float64 for a float64 model (on the CPU when the input was).
+            (...) f, float32 (float64 for a float64 model), on the CPU when the input was.
         """
+        _check_quantity(quantity)
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1])
-        ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
+        index = self._index(targets, foils, shape)  # (rows, K)
         out = torch.empty(rows.shape[0], dtype=precision(self.dtype), device=self.device)
         step = self.chunk_rows()
         for start in range(0, rows.shape[0], step):
             # log_softmax + gather: measured faster than gather - logsumexp on a CPU (bench.py)
-            out[start:start + step] = _target_prob(self.logits(rows[start:start + step]),
-                                                   ids[start:start + step, None])[:, 0]
+            out[start:start + step] = _readout_value(self.logits(rows[start:start + step]),
+                                                     index[start:start + step], quantity)
         return out.reshape(shape).to(hidden.device)
 
     @torch.no_grad()
-    def directional(self, hidden: torch.Tensor, direction: torch.Tensor,
-                    targets: torch.Tensor) -> torch.Tensor:
+    def directional(self, hidden: torch.Tensor, direction: torch.Tensor, targets: torch.Tensor,
+                    foils: Optional[torch.Tensor] = None, *, quantity: str = "prob") -> torch.Tensor:
         """``<direction, grad f(hidden)>`` by forward-mode differentiation (no backward pass).
 
-        With ``z`` the logits and ``p`` their softmax, ``d f = p_y (dz_y - sum_v p_v dz_v)``,
-        where ``dz`` is the forward-mode tangent of the logits along ``direction``.
+        With ``z`` the logits and ``p`` their softmax, ``df = <df/dz, dz>`` where ``dz`` is the
+        forward-mode tangent of the logits along ``direction`` and ``df/dz`` is ``p_y (e_y - p)``
+        for p(y), ``e_y - p`` for log p(y), minus the same for a foil.
 
         Args:
             hidden, direction: (..., d).
-            targets: (...) token ids.
+            targets: (...) token ids; foils, quantity: as :meth:`__call__`.
 
         Returns:
-            (...) float32 (float64 for a float64 model) directional derivatives (probability per unit step along ``direction``).
+            (...) float32 (float64 for a float64 model) directional derivatives (f per unit step
+            along ``direction``).
         """
+        _check_quantity(quantity)
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.norm_device, self.dtype)
         dirs = torch.broadcast_to(direction, hidden.shape).reshape(rows.shape).to(rows)
-        ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
+        index = self._index(targets, foils, shape)  # (rows, K)
         out = torch.empty(rows.shape[0], dtype=precision(self.dtype), device=self.device)
         step = max(1, self.chunk_rows() // 2)  # logits and their tangent
         for start in range(0, rows.shape[0], step):
@@ -920,11 +986,7 @@ class Readout:
             logits, tangent = self._logits_and_tangent(rows[sl], dirs[sl])
             probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax in place: one
             probs.div_(probs.sum(-1, keepdim=True))                    # (rows, V) buffer fewer
-            p_y = probs.gather(-1, ids[sl, None])[:, 0]
-            t_y = tangent.gather(-1, ids[sl, None])[:, 0]
-            # a float32 einsum/bmm here accumulates over V with errors up to 1e-3 (measured on
-            # SmolLM2 against float64); the summation kernel stays near 3e-6
-            out[sl] = p_y * (t_y - tangent.mul_(probs).sum(-1))
+            out[sl] = _readout_tangent(probs, tangent, index[sl], quantity)
         return out.reshape(shape).to(hidden.device)
 
     def _logits_and_tangent(self, rows: torch.Tensor, dirs: torch.Tensor):
@@ -988,19 +1050,19 @@ class Readout:
             direction = direction - direction.mean(-1, keepdim=True)
         return -scale.pow(3) * (points * direction).mean(-1)
 
-    def _node_products(self, rows: torch.Tensor, ids: torch.Tensor,
-                       offset: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _node_products(self, rows: torch.Tensor, index: torch.Tensor, offset: Optional[torch.Tensor],
+                       quantity: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Path nodes -> their products ``Z(h) = (head(norm(h)) - c) / s(h)`` and f there.
 
         Args:
-            rows: (r, d) nodes; ids: (r,) their targets; offset: (V,) ``c`` or None.
+            rows: (r, d) nodes; index: (r, K) their targets (and foils); offset: (V,) ``c`` or None.
 
         Returns:
             ``(Z (r, V), f (r,))`` in working precision; f is read from the model's own logits.
         """
         head_out = self.adapter.head(self.adapter.norm(rows.to(self.norm_device, self.dtype)).to(self.device))
-        f_nodes = torch.cat([_target_prob(self._finish(part), part_ids[:, None])[:, 0]  # 16 rows
-                             for part, part_ids in zip(head_out.split(16), ids.split(16))])  # of temporaries
+        f_nodes = torch.cat([_readout_value(self._finish(part), part_index, quantity)  # 16 rows
+                             for part, part_index in zip(head_out.split(16), index.split(16))])  # of temporaries
         out = head_out.to(precision(self.dtype))
         if offset is not None:
             out = out.sub_(offset)
@@ -1019,13 +1081,14 @@ class Readout:
                                              dtype=self.dtype))[0]
         return head(bias[None].to(self.device))[0].to(precision(self.dtype))
 
-    def _segment(self, z_start, z_end, start, end, alphas, ids, offset, slope: bool) -> torch.Tensor:
+    def _segment(self, z_start, z_end, start, end, alphas, index, offset, slope: bool, quantity: str) -> torch.Tensor:
         """f (or df/dalpha) on one segment for a block of tokens.
 
         Args:
             z_start, z_end: (b, V) node products of the segment's ends.
             start, end: (b, d) the ends, working precision.
-            alphas: (m',) positions in [0, 1]; ids: (b,) targets; offset: (V,) ``c`` or None.
+            alphas: (m',) positions in [0, 1]; index: (b, K) targets (and foils); offset: (V,)
+                ``c`` or None; quantity: as :meth:`__call__`.
 
         Returns:
             (b, m').
@@ -1039,17 +1102,16 @@ class Readout:
         if offset is not None:
             head_out += offset
         logits = self._finish(head_out)
-        index = ids[:, None, None].expand(-1, len(alphas), 1)
+        index = index[:, None].expand(-1, len(alphas), -1)  # (b, m', K)
         if not slope:
-            return _target_prob(logits, index)[..., 0]
+            return _readout_value(logits, index, quantity)
         scale_slope = self._scale_slope(points, delta[:, None].expand_as(points), scale)  # (b, m')
         ends = torch.tensor([-1.0, 1.0], dtype=mix.dtype, device=mix.device)
         tangent = torch.bmm(scale_slope[..., None] * mix + scale[..., None] * ends, pair)  # (b, m', V)
         tangent = self._finish_tangent(tangent, logits)
         probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax in place
         probs.div_(probs.sum(-1, keepdim=True))
-        p_y, t_y = probs.gather(-1, index)[..., 0], tangent.gather(-1, index)[..., 0]
-        return p_y * (t_y - tangent.mul_(probs).sum(-1))  # see Readout.directional on the sum
+        return _readout_tangent(probs, tangent, index, quantity)
 
     def _gain(self) -> torch.Tensor:
         """(d,) the final norm's elementwise gain ``G`` in ``norm(h) = s(h) G * P h + b``.
@@ -1069,15 +1131,16 @@ class Readout:
             self._norm_gain = gain.to(self.device, work)
         return self._norm_gain
 
-    def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, ids, offset):
+    def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, index, offset, quantity):
         """``sum_s w_s grad f(start + alpha_s (end - start))`` for a block of tokens, in closed form.
 
         At a point ``h`` with head output ``s(h) Z(h) + c`` and logits ``z``, ``p = softmax(z)``:
-        ``grad f = J_norm(h)^T W^T q`` with ``q = (dz/du) p_y (e_y - p)`` (``dz/du`` the logit scale
-        and soft-cap derivative), and for ``norm(h) = s(h) G * P h + b``,
-        ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``. Since ``<G * P h, W^T q> = <Z(h), q>``
-        is V-wide and ``W^T`` is linear, the weighted sum over the grid needs one ``(V x d)`` product
-        per segment: ``P (G * W^T (sum_s w_s s_s q_s) - sum_s w_s s_s^3 <Z_s, q_s> P h_s / d)``.
+        ``grad f = J_norm(h)^T W^T q`` with ``q = (dz/du) df/dz`` (``dz/du`` the logit scale and
+        soft-cap derivative; ``df/dz = p_y (e_y - p)`` for p(y), see :func:`_readout_slope`), and
+        for ``norm(h) = s(h) G * P h + b``, ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``.
+        Since ``<G * P h, W^T q> = <Z(h), q>`` is V-wide and ``W^T`` is linear, the weighted sum over
+        the grid needs one ``(V x d)`` product per segment:
+        ``P (G * W^T (sum_s w_s s_s q_s) - sum_s w_s s_s^3 <Z_s, q_s> P h_s / d)``.
         The product is left to the caller (:meth:`_finish_gradients`), which batches many segments
         into one: a few rows at a time it would read the whole head weight per segment.
 
@@ -1090,7 +1153,7 @@ class Readout:
         Args:
             z_start, z_end: (b, V) node products; start, end: (b, d) working precision.
             alphas: (m',) quadrature nodes; weights: (m',) their weights, or ``"observed"``.
-            ids: (b,); offset: (V,) or None.
+            index: (b, K) targets (and foils); offset: (V,) or None; quantity: as :meth:`__call__`.
 
         Returns:
             ``(summed (b, V), correction (b, d))``: ``sum_s w_s s_s q_s`` and the norm's second term.
@@ -1103,21 +1166,22 @@ class Readout:
         if offset is not None:
             head_out += offset
         logits = self._finish(head_out)  # the same tensor when there is no scale or soft-cap
-        index = ids[:, None, None].expand(-1, len(alphas), 1)
+        index = index[:, None].expand(-1, len(alphas), -1)  # (b, m', K)
         probs = torch.softmax(logits, -1)
-        p_y = probs.gather(-1, index)  # (b, m', 1)
-        chain = probs.mul_(-p_y).scatter_add_(-1, index, p_y)  # p_y (e_y - p), in place
+        picked, total = _readout_slope(probs, index, quantity)
+        chain = probs.mul_(-total).scatter_add_(-1, index, picked)  # df/dz, in place
         chain = self._finish_tangent(chain, logits)  # (b, m', V) q: df/d(head output)
-        dots = (chain * head_out).sum(-1)  # (b, m') <s Z_s + c, q_s>
+        dots = torch.linalg.vecdot(chain, head_out)  # (b, m') <s Z_s + c, q_s>, no (b, m', V) temporary
         if offset is not None:
             dots -= chain @ offset
         dots /= scale  # <Z_s, q_s>
         if isinstance(weights, str):  # "observed": the step's change over its midpoint slope
             m = len(alphas)
             bounds = torch.arange(m + 1, dtype=alphas.dtype, device=alphas.device) / m
-            change = self._segment(z_start, z_end, start, end, bounds, ids, offset, False).diff(dim=-1)
+            change = self._segment(z_start, z_end, start, end, bounds, index[:, 0], offset, False,
+                                   quantity).diff(dim=-1)
             slope = (self._scale_slope(points, delta[:, None].expand_as(points), scale) * dots
-                     + scale * (chain * (z_end - z_start)[:, None]).sum(-1))  # (b, m) df/dalpha
+                     + scale * torch.linalg.vecdot(chain, (z_end - z_start)[:, None]))  # (b, m) df/dalpha
             steady = slope.abs() > 1e-12
             weights = torch.where(steady, change / torch.where(steady, slope, 1.0), 1.0 / m)
         summed = torch.bmm((weights * scale)[:, None, :], chain)[:, 0]  # (b, V), a sum over m' only
@@ -1144,8 +1208,9 @@ class Readout:
 
     @torch.no_grad()
     def along_segments(self, nodes: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
-                       *, slope: bool = False,
-                       weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, slope: bool = False, weights: Optional[torch.Tensor] = None,
+                       foils: Optional[torch.Tensor] = None,
+                       quantity: str = "prob") -> tuple[torch.Tensor, torch.Tensor]:
         """f, or its slope, at ``h_j + alpha (h_(j+1) - h_j)`` for every segment j and alpha.
 
         The slope is ``df/dalpha = <h_(j+1) - h_j, grad f>`` (probability per unit of alpha). When
@@ -1164,17 +1229,20 @@ class Readout:
                 ``sum_s w_s grad f(h_j + alpha_s (h_(j+1) - h_j))`` (K, T, d) instead (see
                 :meth:`_segment_gradient`; needs the ``s(h) A h + b`` form); ``"observed"``: the
                 prediction-aware weights, ``alphas`` the midpoints of m uniform steps.
+            foils: (T,) token ids of a foil, or None; quantity: ``"prob"`` or ``"logprob"``
+                (see :meth:`__call__`).
 
         Returns:
             ``(values (K, T, m'), lens (K+1, T))``: f or its slope on the segments (or the gradient
             sums, (K, T, d)), and f at the nodes; float32 (float64 for a float64 model), on the
             CPU when ``nodes`` was.
         """
+        _check_quantity(quantity)
         K, T, d = nodes.shape[0] - 1, nodes.shape[1], nodes.shape[2]
         work = precision(self.dtype)
         alphas = torch.as_tensor(alphas).to(self.device, work)
         if self.norm_kind is not None and not self._form_checked and len(alphas) and K:
-            self._check_form(nodes, targets, alphas, slope or weights is not None)
+            self._check_form(nodes, targets, alphas, slope or weights is not None, foils, quantity)
         if weights is not None:
             if self.norm_kind is None:
                 raise ValueError(f"gradient sums need a final norm of the form s(h) A h + b (RMSNorm, "
@@ -1189,17 +1257,21 @@ class Readout:
         if self.norm_kind is None or not len(alphas) or not K:
             starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
             points = starts[:, :, None] + alphas.to(nodes)[None, None, :, None] * deltas[:, :, None]
-            lens = self(nodes, targets[None])
+            lens = self(nodes, targets[None], None if foils is None else foils[None], quantity=quantity)
+            per_point = (targets[None, :, None], None if foils is None else foils[None, :, None])
             if slope:
-                return self.directional(points, deltas[:, :, None].expand_as(points),
-                                        targets[None, :, None]), lens
-            return self(points, targets[None, :, None]), lens
+                return self.directional(points, deltas[:, :, None].expand_as(points), *per_point,
+                                        quantity=quantity), lens
+            return self(points, *per_point, quantity=quantity), lens
         out = torch.empty(K, T, len(alphas) if weights is None else d, dtype=work, device=self.device)
         lens = torch.empty(K + 1, T, dtype=work, device=self.device)
         half = max(1, self.chunk_rows() // 2)  # rows of node products, and of grid points
-        block = max(1, min(T, half // len(alphas)))  # tokens per block: block * m' grid rows
+        # the gradient sums hold about twice the (rows, V) temporaries of f: half the rows keeps
+        # them in a CPU's cache (bench.py item 11 measured ~1.3x faster on a 32 MiB L3)
+        grid = half if weights is None else max(1, half // 2)
+        block = max(1, min(T, grid // len(alphas)))  # tokens per block: block * m' grid rows
         group = max(1, half // block)  # path nodes per product: group * block rows
-        ids, offset = targets.to(self.device), self._head_offset()
+        index, offset = self._index(targets, foils, (T,)), self._head_offset()  # (T, K)
         pending, flush = [], max(64, half)  # gradient sums waiting for their head product
         for t0 in range(0, T, block):
             tokens = slice(t0, t0 + block)
@@ -1211,31 +1283,33 @@ class Readout:
                         products[-1] = products[-1].clone()
                     new = nodes[len(products):min(K + 1, j + 1 + group), tokens]  # (g, b, d)
                     b = new.shape[1]
-                    z, f_nodes = self._node_products(new.reshape(-1, d), ids[tokens].repeat(len(new)), offset)
+                    z, f_nodes = self._node_products(new.reshape(-1, d), index[tokens].repeat(len(new), 1),
+                                                     offset, quantity)
                     lens[len(products):len(products) + len(new), tokens] = f_nodes.reshape(len(new), b)
                     products += list(z.reshape(len(new), b, self.vocab_size).unbind(0))
                 if weights is not None:
                     pending.append((j, tokens) + self._segment_gradient(
-                        products[j], products[j + 1], ends[j], ends[j + 1], alphas, weights, ids[tokens], offset))
+                        products[j], products[j + 1], ends[j], ends[j + 1], alphas, weights, index[tokens],
+                        offset, quantity))
                     if sum(len(item[2]) for item in pending) >= flush:
                         self._finish_gradients(pending, out)
                 else:
                     out[j, tokens] = self._segment(products[j], products[j + 1], ends[j], ends[j + 1],
-                                                   alphas, ids[tokens], offset, slope)
+                                                   alphas, index[tokens], offset, slope, quantity)
                 products[j] = None
         self._finish_gradients(pending, out)
         return out.to(nodes.device), lens.to(nodes.device)
 
-    def _check_form(self, nodes, targets, alphas, slope: bool) -> None:
+    def _check_form(self, nodes, targets, alphas, slope: bool, foils, quantity: str) -> None:
         """Compare the factorised path with the direct readout on the first segment, once."""
         self._form_checked = True
         few = slice(0, 2)
         sample = nodes[:2, few]
         kind, self.norm_kind = self.norm_kind, None
-        direct = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, slope=slope)])
+        spec = dict(slope=slope, foils=None if foils is None else foils[few], quantity=quantity)
+        direct = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, **spec)])
         self.norm_kind = kind
-        factorised = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas,
-                                                                         slope=slope)])
+        factorised = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, **spec)])
         tol = 1e-4 * (1.0 + float(direct.abs().max()))
         if not torch.allclose(factorised, direct, atol=tol, rtol=0):
             warnings.warn(f"the final norm {type(self.adapter.norm).__name__} does not behave as "
