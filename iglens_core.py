@@ -36,6 +36,7 @@ import math
 import os
 import sys
 import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -565,6 +566,11 @@ class Trace:
             block's attention output projection (the heads' outputs side by side).
         neurons: (n, T, d_ff) or None. From :func:`collect_components`: the input of each block's
             MLP down projection (one activation per neuron).
+        patterns: (n, T, H, S) or None. From ``collect_components(..., sources=True)``: every head's
+            attention row at each predicting position over the whole sequence (``S = L``; the
+            model's own probabilities, after its mask, sliding window and soft-capping).
+        values: (n, S, H_kv, head_dim) or None. With ``patterns``: the value vectors of every
+            key/value head at every position; head h reads key/value head ``h // (H / H_kv)``.
     """
     input_ids: torch.Tensor
     prompt_len: int
@@ -575,6 +581,8 @@ class Trace:
     mid: Optional[torch.Tensor] = None
     heads: Optional[torch.Tensor] = None
     neurons: Optional[torch.Tensor] = None
+    patterns: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
 
     @property
     def n_layers(self) -> int:
@@ -828,8 +836,67 @@ def _projection_weight(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Te
     return weight, (bias.detach() if isinstance(bias, torch.Tensor) else None)
 
 
+def _head_counts(model) -> tuple[int, int]:
+    """``(H, H_kv)``: attention heads and key/value heads per block, from the model's config."""
+    config = getattr(model.config, "text_config", None) or model.config
+    heads = _first_attr(config, ("num_attention_heads", "n_head"))
+    return int(heads), int(_first_attr(config, ("num_key_value_heads",)) or heads)
+
+
+def _value_reader(attention: nn.Module, heads: int, kv_heads: int) -> tuple[nn.Module, Callable]:
+    """The module whose output holds a block's value vectors, and how to cut them out of it:
+    ``cut(output (..., width)) -> (..., H_kv, head_dim)``."""
+    if isinstance(getattr(attention, "v_proj", None), nn.Module):  # Llama, Qwen, Gemma, Mistral, OLMo
+        return attention.v_proj, lambda out: out.unflatten(-1, (kv_heads, -1))
+    if isinstance(getattr(attention, "qkv_proj", None), nn.Module):  # Phi-3: queries, keys, values
+        return attention.qkv_proj, lambda out: out[..., out.shape[-1] * (heads + kv_heads)
+                                                    // (heads + 2 * kv_heads):].unflatten(-1, (kv_heads, -1))
+    if isinstance(getattr(attention, "c_attn", None), nn.Module):  # GPT-2: queries, keys, values
+        return attention.c_attn, lambda out: out[..., 2 * out.shape[-1] // 3:].unflatten(-1, (heads, -1))
+    if isinstance(getattr(attention, "query_key_value", None), nn.Module):  # NeoX: (q, k, v) per head
+        return attention.query_key_value, lambda out: out.unflatten(-1, (heads, 3, -1))[..., 2, :]
+    raise ValueError(f"cannot find the value projection of {type(attention).__name__} (looked for "
+                     "v_proj, qkv_proj, c_attn, query_key_value): sources=True is not supported here")
+
+
+@contextmanager
+def _eager_attention(model):
+    """Run the model's attention in its eager implementation, which returns the probabilities."""
+    before = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if before in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _head_values(trace: Trace, layer: int) -> torch.Tensor:
+    """(S, H, head_dim) float64: the value vectors each head of block ``layer + 1`` reads (GQA:
+    head h reads key/value head ``h // (H / H_kv)``, as the model's ``repeat_kv``)."""
+    values, heads = trace.values[layer].double(), trace.patterns.shape[2]  # (S, H_kv, hd)
+    return values[:, torch.arange(heads) // (heads // values.shape[1])]
+
+
+def _check_patterns(trace: Trace) -> None:
+    """The heads' outputs rebuilt from patterns and values, ``sum_s A_h(t, s) v_h(s)``, must match
+    the recorded ones (``trace.heads``): else the values were cut out of the wrong place."""
+    for layer in range(trace.n_layers):
+        rebuilt = torch.einsum("ths,shd->thd", trace.patterns[layer].double(),
+                               _head_values(trace, layer)).flatten(1)
+        recorded = trace.heads[layer].double()  # (T, H * hd)
+        gap = float((rebuilt - recorded).norm() / recorded.norm().clamp_min(1e-12))
+        if gap > 1e-2:
+            raise ValueError(f"block {layer + 1}: the heads' outputs rebuilt from the attention "
+                             f"patterns and value vectors differ from the recorded ones (relative gap "
+                             f"{gap:.1e}); this attention does not read its values as sources=True "
+                             "assumes (an unsupported architecture?)")
+
+
 @torch.no_grad()
-def collect_components(model, input_ids: torch.Tensor, prompt_len: int) -> Trace:
+def collect_components(model, input_ids: torch.Tensor, prompt_len: int, *, sources: bool = False) -> Trace:
     """:func:`collect` with ``sublayer=True``, plus every head's and every neuron's activation.
 
     In the same forward pass, forward pre-hooks on each block's attention output projection
@@ -838,14 +905,25 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int) -> Trace
     only: activations ``z`` (T, H * head_dim) and ``act`` (T, d_ff), not their (T, d_ff, d)
     products; :func:`components` multiplies them by the weights when it needs them.
 
+    With ``sources=True`` the pass runs the model's eager attention (the implementation that
+    returns its probabilities; switched back afterwards) and also records each head's attention
+    row at the predicting positions (the model's own, after masks, sliding windows and
+    soft-capping) and the value vectors of every position (from the value projection's output;
+    under GQA those of the shared key/value head). They must rebuild the recorded head outputs,
+    ``z_h(t) = sum_s A_h(t, s) v_h(s)``, or a ValueError says the architecture is not supported.
+
     Returns:
-        A :class:`Trace` with ``mid``, ``heads`` (n, T, H * head_dim) and ``neurons`` (n, T, d_ff).
+        A :class:`Trace` with ``mid``, ``heads`` (n, T, H * head_dim) and ``neurons`` (n, T, d_ff);
+        with ``sources``, also ``patterns`` (n, T, H, S) and ``values`` (n, S, H_kv, head_dim).
     """
     input_ids = _check_sequence(model, input_ids, prompt_len)
     adapter = get_adapter(model)
+    n = adapter.n_layers
     positions = torch.arange(prompt_len - 1, input_ids.shape[1] - 1)
-    heads: list[Optional[torch.Tensor]] = [None] * adapter.n_layers
-    neurons: list[Optional[torch.Tensor]] = [None] * adapter.n_layers
+    heads: list[Optional[torch.Tensor]] = [None] * n
+    neurons: list[Optional[torch.Tensor]] = [None] * n
+    patterns: list[Optional[torch.Tensor]] = [None] * n
+    values: list[Optional[torch.Tensor]] = [None] * n
 
     def keeper(store, layer):
         def hook(module, args):
@@ -853,16 +931,41 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int) -> Trace
             store[layer] = x[0, positions.to(x.device)].detach().to(precision(x.dtype)).cpu()
         return hook
 
+    def pattern_keeper(layer):
+        def hook(module, args, output):
+            probs = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+            if not isinstance(probs, torch.Tensor):
+                raise ValueError(f"the attention of block {layer + 1} ({type(module).__name__}) "
+                                 "returned no attention probabilities in eager mode: sources=True "
+                                 "is not supported here")
+            rows = probs[0][:, positions.to(probs.device)].transpose(0, 1)  # (T, H, S)
+            patterns[layer] = rows.detach().to(precision(probs.dtype)).cpu()
+        return hook
+
+    def value_keeper(layer, cut):
+        def hook(module, args, output):
+            values[layer] = cut(output[0]).detach().to(precision(output.dtype)).cpu()  # (S, H_kv, hd)
+        return hook
+
     hooks = []
     try:
         for layer, block in enumerate(adapter.blocks):
             for sublayer, store in (("attn", heads), ("mlp", neurons)):
                 hooks.append(_projection(block, sublayer)[0].register_forward_pre_hook(keeper(store, layer)))
-        trace = collect(model, input_ids, prompt_len, sublayer=True)
+            if sources:
+                attention = _first_attr(block, _ATTENTIONS)
+                module, cut = _value_reader(attention, *_head_counts(model))
+                hooks.append(attention.register_forward_hook(pattern_keeper(layer)))
+                hooks.append(module.register_forward_hook(value_keeper(layer, cut)))
+        with _eager_attention(model) if sources else nullcontext():
+            trace = collect(model, input_ids, prompt_len, sublayer=True)
     finally:
         for hook in hooks:
             hook.remove()
     trace.heads, trace.neurons = torch.stack(heads), torch.stack(neurons)
+    if sources:
+        trace.patterns, trace.values = torch.stack(patterns), torch.stack(values)
+        _check_patterns(trace)
     return trace
 
 
@@ -1380,19 +1483,25 @@ def _check_trace(readout: Readout, trace: Trace) -> None:
 
 @dataclass
 class Attribution:
-    """IG-Lens attribution of the target probabilities of a trace.
+    """IG-Lens attribution of the target probabilities of a trace (or of another readout f).
+
+    Units: ``f`` is the target probability by default; with ``quantity="logprob"`` its
+    log-probability (nats); with foils, the difference ``f(y) - f(foil)`` (for ``"logprob"`` the
+    logit difference ``z_y - z_foil``). Every value below is in the unit of ``f``.
 
     Attributes:
-        values: (T, K) probability credited to each segment; rows sum to ``p_final - p_base``.
+        values: (T, K) f credited to each segment; rows sum to ``p_final - p_base``.
         layers: (K,) segment end layers (``Lj``); segment j runs ``h_L(j-1) -> h_Lj``.
         labels: (K,) segment names, e.g. ``"L12"`` or, at sublayer resolution, ``"L12.attn"``.
         p_base: (T,) ``f(h_base)``.
-        p_final: (T,) ``f(h_n)``, the model's own probability.
+        p_final: (T,) ``f(h_n)``, the model's own probability (log-probability, difference).
         lens: (T, K+1) ``f`` at the path nodes, the baseline first: the logit lens.
         residual: max over tokens of ``|sum_j values - (p_final - p_base)|``.
         targets, positions: (T,) as in the trace.
         estimator, steps, baseline: how it was computed.
         profile: (T, K, m+1) ``f`` on the uniform grid of every segment, or None.
+        quantity: ``"prob"`` or ``"logprob"`` (:data:`QUANTITIES`).
+        foils: (T,) the foil token of every position, or None.
     """
     values: torch.Tensor
     layers: list[int]
@@ -1407,10 +1516,12 @@ class Attribution:
     steps: int
     baseline: str
     profile: Optional[torch.Tensor] = None
+    quantity: str = "prob"
+    foils: Optional[torch.Tensor] = None
 
     @property
     def delta_p(self) -> torch.Tensor:
-        """(T,) ``p_final - p_base``."""
+        """(T,) ``p_final - p_base``: the change of f (probability by default, see ``quantity``)."""
         return self.p_final - self.p_base
 
     def onset(self, frac: float = 0.5) -> torch.Tensor:
@@ -1481,6 +1592,36 @@ class Attribution:
                    [str(x) for x in frame["label"].to_numpy()[:K]], p_base, p_final, lens, residual,
                    torch.full((T,), -1), torch.tensor(first["position"].to_numpy()), estimator,
                    steps, baseline)
+
+
+def check_foil(foil, targets: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
+    """Validate a foil: one token id, or one per predicting position; returns (T,) long or None.
+
+    Raises:
+        ValueError: a foil that is not integer ids, not of shape () or (T,), outside
+            ``0..vocab_size-1``, or equal to the target at some position (f would be 0 there).
+    """
+    if foil is None:
+        return None
+    foils = torch.as_tensor(foil)
+    T = len(targets)
+    if foils.dtype.is_floating_point or foils.dtype.is_complex or foils.dtype == torch.bool:
+        raise ValueError(f"foil must be integer token ids (one id or {T} ids), got dtype {foils.dtype}")
+    if foils.dim() == 0:
+        foils = foils.expand(T)
+    if foils.shape != (T,):
+        raise ValueError(f"foil must be one token id or one per predicting position, shape ({T},); "
+                         f"got shape {tuple(foils.shape)}")
+    foils = foils.long().cpu()
+    bad = foils[(foils < 0) | (foils >= vocab_size)]
+    if len(bad):
+        raise ValueError(f"foil ids must lie in 0..{vocab_size - 1} (the model's vocabulary), "
+                         f"got {bad.unique()[:5].tolist()}")
+    same = (foils == targets.cpu()).nonzero()[:, 0]
+    if len(same):
+        raise ValueError(f"the foil equals the target at token index(es) {same.tolist()}: f(y) - "
+                         "f(foil) is 0 there; pick a different foil for those positions")
+    return foils.clone()
 
 
 def check_layers(layers: Optional[Sequence[int]], n_layers: int) -> list[int]:
@@ -1556,8 +1697,15 @@ def path_nodes(trace: Trace, layers: Sequence[int], resolution: str = "layer"):
 def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
             baseline: Union[str, torch.Tensor] = "embedding", steps: int = 16,
             estimator: str = "prediction_aware", profile: bool = False,
-            resolution: str = "layer", readout: Optional[Readout] = None) -> Attribution:
+            resolution: str = "layer", readout: Optional[Readout] = None,
+            quantity: str = "prob", foil=None) -> Attribution:
     """Telescoping Integrated Gradients of the target probability along the residual stream.
+
+    The gradient theorem holds for any scalar readout, so other readouts telescope too:
+    ``quantity="logprob"`` splits ``log p(y)`` (then the terms of all answer tokens add up to the
+    change of the whole answer's log-probability), and a ``foil`` splits ``p(y) - p(foil)`` or
+    ``log p(y) - log p(foil)``, which is exactly the logit difference ``z_y - z_foil`` that circuit
+    studies use. Closed-form gradients and the prediction-aware estimator work for each.
 
     Cost. Without a profile the prediction-aware values need ``f`` only at the ``K+1`` path
     nodes, since the steps of a segment telescope: the exact map costs one logit-lens pass
@@ -1581,20 +1729,25 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
         profile: also return ``f`` on the uniform grid of every segment, (T, K, m+1).
         resolution: ``"layer"`` or ``"sublayer"`` (attention and MLP of every block, 2n segments).
         readout: a :class:`Readout` to reuse (memory budget, explicit norm/head).
+        quantity: ``"prob"`` (f = p(y), default) or ``"logprob"`` (f = log p(y), nats).
+        foil: None, one token id, or (T,) ids: f becomes ``f(y) - f(foil)``.
 
     Precision: everything runs in the model's dtype; ``model.double()`` gives a float64 run,
     which separates rounding from method error.
 
     Returns:
-        An :class:`Attribution`.
+        An :class:`Attribution` (its ``quantity`` and ``foils`` say what f was).
     """
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    _check_quantity(quantity)
     readout = readout or Readout(model)
     _check_trace(readout, trace)
     _check_steps(readout, steps, estimator, profile)
+    foils = check_foil(foil, trace.targets, readout.vocab_size)
+    spec = dict(foils=foils, quantity=quantity)
     layers = check_layers(layers, trace.n_layers)
     if not torch.isfinite(trace.hidden).all():
         raise ValueError("trace.hidden contains NaN or inf")
@@ -1607,7 +1760,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
 
     lens, grid = None, None  # lens: (T, K+1) f at the path nodes, the logit lens
     if profile:  # the K*m+1 points per token: the nodes and m-1 interior points per segment
-        inner, lens = readout.along_segments(nodes, targets, torch.arange(1, m) / m)  # (K, T, m-1)
+        inner, lens = readout.along_segments(nodes, targets, torch.arange(1, m) / m, **spec)  # (K, T, m-1)
         lens = lens.T
         grid = torch.cat([lens[:, :-1, None], inner.permute(1, 0, 2), lens[:, 1:, None]], -1)
 
@@ -1615,11 +1768,11 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
         if grid is not None:
             values = (grid[..., 1:] - grid[..., :-1]).sum(-1)  # step by step, (T, K)
         else:
-            lens = readout(nodes, targets[None]).T
+            lens = readout(nodes, targets[None], None if foils is None else foils[None], quantity=quantity).T
             values = lens[:, 1:] - lens[:, :-1]
     else:
         alphas, weights = quadrature(estimator, m)
-        slopes, node_f = readout.along_segments(nodes, targets, alphas, slope=True)  # (K, T, m')
+        slopes, node_f = readout.along_segments(nodes, targets, alphas, slope=True, **spec)  # (K, T, m')
         lens = node_f.T if lens is None else lens
         values = (slopes * weights.to(slopes)).sum(-1).T  # (T, K)
 
@@ -1629,7 +1782,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
     residual = float((values.double().sum(-1) - (p_final.double() - p_base.double())).abs().max())
     return Attribution(values.cpu(), layers, labels, p_base.cpu(), p_final.cpu(), lens.cpu(), residual,
                        targets, trace.positions, estimator, m, base_name,
-                       grid.cpu() if grid is not None else None)
+                       grid.cpu() if grid is not None else None, quantity, foils)
 
 
 def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.Tensor:
@@ -1648,8 +1801,12 @@ def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.
 # one number per position, so ``N(sum_k u_k) = sum_k G * u_k / rms(u)`` exactly. IG along the
 # straight segment credits part k with ``integral <delta_k, grad f> d alpha``, and since delta_k
 # does not depend on alpha that is ``<delta_k, gbar>`` with ``gbar = sum_s w_s grad f(point_s)``.
+#
+# A head's output is itself a sum over the positions it reads, ``z_h(t) = sum_s A_h(t, s) v_h(s)``
+# (its pattern row A_h(t, .) sums to 1, so a value bias splits too), so given the pattern the
+# head's part splits exactly over source positions s: ``<D W_O[:, slice_h] A_h(t, s) v_h(s), gbar>``.
 
-COMPONENT_RESOLUTIONS = ("head", "neuron", "both")
+COMPONENT_RESOLUTIONS = ("head", "neuron", "both", "source", "all")
 
 
 def _post_norm_map(post: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
@@ -1674,19 +1831,40 @@ def _post_norm_map(post: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
     return diagonal
 
 
-def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _source_terms(trace: Trace, layer: int, back: torch.Tensor, memory_budget: int) -> torch.Tensor:
+    """(T, H, S) float64 ``A_h(t, s) <v_h(s), back_h(t)>``: block ``layer + 1``'s head parts split
+    over the source positions s (``back`` (T, H * head_dim) the projection's transpose applied to
+    the gradient sum, so that a head's part is ``<z_h(t), back_h(t)>``); tokens are chunked so that
+    two (tokens, H, S) float64 temporaries fit ``memory_budget``."""
+    patterns = trace.patterns[layer]  # (T, H, S)
+    T, H, S = patterns.shape
+    values, back = _head_values(trace, layer), back.view(T, H, -1)  # (S, H, hd), (T, H, hd)
+    out = torch.empty(T, H, S, dtype=torch.float64)
+    step = max(1, memory_budget // (2 * 8 * H * S))
+    for t0 in range(0, T, step):
+        tokens = slice(t0, t0 + step)
+        out[tokens] = torch.einsum("thd,shd->ths", back[tokens], values).mul_(patterns[tokens])
+    return out
+
+
+def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *, sources: bool = False,
+                    memory_budget: int = DEFAULT_MEMORY_BUDGET):
     """``<delta_k, v>`` for every part k of one sublayer of every block: heads or neurons, bias last.
 
     Args:
-        trace: from :func:`collect_components`.
+        trace: from :func:`collect_components` (with ``sources=True`` for ``sources``).
         vectors: (n, T, d) or (T, d) one vector per block and token (the same for every block).
         sublayer: ``"attn"`` (parts: the H heads, then the output bias) or ``"mlp"`` (the d_ff
             neurons, then the bias). The bias part also carries nothing else: the parts rebuild
             the increment, which the second return value lets a caller check.
+        sources: ``"attn"`` only: also split every head's part over the source positions it
+            reads, ``<D W_O[:, h] A_h(t, s) v_h(s), v>`` (see :func:`components`).
+        memory_budget: bytes the source products' temporaries may take.
 
     Returns:
-        ``(terms (T, n, P + 1), increments (n, T, d))`` float64: the products, and each block's
-        increment rebuilt from its parts (``sum_k delta_k``).
+        ``(terms (T, n, P + 1), increments (n, T, d), sources (T, n, H, S) or None)`` float64: the
+        products, each block's increment rebuilt from its parts (``sum_k delta_k``), and the
+        head parts per source position.
     """
     if sublayer not in ("attn", "mlp"):
         raise ValueError(f"sublayer must be 'attn' or 'mlp', got {sublayer!r}")
@@ -1694,15 +1872,17 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str) -
     if acts is None:
         raise ValueError(f"the trace has no {'heads' if sublayer == 'attn' else 'neurons'}: "
                          "record it with collect_components(model, input_ids, prompt_len)")
+    if sources and (sublayer != "attn" or trace.patterns is None):
+        raise ValueError("sources need sublayer='attn' and a trace from collect_components(model, "
+                         "input_ids, prompt_len, sources=True)")
     adapter = get_adapter(model)
     n, T = acts.shape[0], acts.shape[1]
     vectors = torch.as_tensor(vectors).double().cpu()
     vectors = vectors.expand(n, *vectors.shape[-2:]) if vectors.dim() == 2 else vectors
     if vectors.shape[:2] != (n, T):
         raise ValueError(f"vectors must have shape ({n}, {T}, d) or ({T}, d), got {tuple(vectors.shape)}")
-    config = getattr(model.config, "text_config", None) or model.config
-    groups = _first_attr(config, ("num_attention_heads", "n_head")) if sublayer == "attn" else acts.shape[-1]
-    terms, increments = [], []
+    groups = _head_counts(model)[0] if sublayer == "attn" else acts.shape[-1]
+    terms, increments, per_source = [], [], []
     for layer, block in enumerate(adapter.blocks):
         proj, post = _projection(block, sublayer)
         weight, bias = _projection_weight(proj)
@@ -1712,19 +1892,26 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str) -
         outputs = act @ weight.T + bias  # (T, d) the sublayer output before any post-norm
         diagonal = _post_norm_map(post, outputs) if post is not None else torch.ones_like(outputs)
         read = diagonal * vectors[layer]  # (T, d): D is diagonal, <D u, v> = <u, D v>
-        parts = (act * (read @ weight)).reshape(T, groups, -1).sum(-1)  # (T, H) or (T, d_ff)
+        back = read @ weight  # (T, P) what a unit of each activation is worth
+        parts = (act * back).reshape(T, groups, -1).sum(-1)  # (T, H) or (T, d_ff)
         terms.append(torch.cat([parts, (read * bias).sum(-1, keepdim=True)], -1))
         increments.append(diagonal * outputs)
-    return torch.stack(terms, 1), torch.stack(increments)
+        if sources:
+            per_source.append(_source_terms(trace, layer, back, memory_budget))
+    return (torch.stack(terms, 1), torch.stack(increments),
+            torch.stack(per_source, 1) if sources else None)
 
 
 @dataclass
 class Components:
     """IG-Lens at component resolution: every head's and every neuron's share of Δp.
 
+    Units: those of f, the target probability by default (see ``quantity`` and ``foils``, as in
+    :class:`Attribution`).
+
     Attributes:
-        heads: (T, n, H + 1) probability credited to each head of each block's attention, the
-            output bias last; or None (``resolution="neuron"``).
+        heads: (T, n, H + 1) f credited to each head of each block's attention, the output bias
+            last; or None (``resolution="neuron"``).
         neurons: (T, n, d_ff + 1) the same for each MLP neuron, the down-projection bias last; or None.
         attn: (T, n) the attention terms ``f(mid_L) - f(h_(L-1))`` the heads add up to.
         mlp: (T, n) the MLP terms ``f(h_L) - f(mid_L)`` the neurons add up to.
@@ -1734,6 +1921,12 @@ class Components:
             parts against the recorded residual stream (float rounding only).
         lens: (T, 2n+1) ``f`` at ``h_0, mid_1, h_1, ..., mid_n, h_n``.
         targets, positions: (T,); estimator, steps: how the integrals were computed.
+        sources: (T, n, H, S) or None (``resolution="source"`` or ``"all"``): f credited to head h
+            of block L for what it moved into the predicting position from position s of the
+            sequence (``S = L``; zero for s after the position); ``sources.sum(-1)`` is
+            ``heads[..., :H]`` up to float rounding.
+        residual_sources: ``max |sources.sum(-1) - heads[..., :H]|`` (NaN when not computed).
+        quantity: ``"prob"`` or ``"logprob"``; foils: (T,) or None.
     """
     heads: Optional[torch.Tensor]
     neurons: Optional[torch.Tensor]
@@ -1747,15 +1940,30 @@ class Components:
     positions: torch.Tensor
     estimator: str
     steps: int
+    sources: Optional[torch.Tensor] = None
+    residual_sources: float = math.nan
+    quantity: str = "prob"
+    foils: Optional[torch.Tensor] = None
 
     @property
     def delta_p(self) -> torch.Tensor:
         """(T,) ``f(h_n) - f(h_0)``: the attention and MLP terms of all blocks add up to it."""
         return self.lens[:, -1] - self.lens[:, 0]
 
+    def by_source(self) -> torch.Tensor:
+        """(T, S + 1) f moved in from each source position by all heads of all blocks, then, last,
+        the rest: the MLPs, the attention output biases and the estimator's residual. Each row
+        adds up to ``delta_p``. One hop: what built the stream at s is earlier blocks' work."""
+        if self.sources is None:
+            raise ValueError("no sources: compute components(..., resolution='source' or 'all') "
+                             "on a trace from collect_components(..., sources=True)")
+        moved = self.sources.sum((1, 2))  # (T, S)
+        return torch.cat([moved, (self.delta_p.to(moved) - moved.sum(-1))[:, None]], -1)
+
 
 def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16,
-               estimator: str = "gauss_legendre", readout: Optional[Readout] = None) -> Components:
+               estimator: str = "gauss_legendre", readout: Optional[Readout] = None,
+               quantity: str = "prob", foil=None) -> Components:
     """Every attention head and every MLP neuron of every block, in probability, adding up.
 
     Segments: the 2n sublayer segments of ``ig_lens(resolution="sublayer")``, ``h_(L-1) -> mid_L``
@@ -1766,17 +1974,33 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
     its gradient-estimator value, which tends to ``f(b) - f(a)`` as ``steps`` grows (Gauss-Legendre:
     to the float floor by m of 16-64; ``residual_heads`` / ``residual_neurons`` report it).
 
+    Sources (``resolution="source"`` or ``"all"``, on a trace from
+    ``collect_components(..., sources=True)``): a head's output at the predicting position t is
+    ``z_h(t) = sum_s A_h(t, s) v_h(s)``, linear in the value vectors given the model's own pattern,
+    so the head's part splits exactly over the source positions s:
+    ``sources[t, L, h, s] = <D W_O[:, slice_h] A_h(t, s) v_h(s), gbar>``, adding up to the head's
+    share. The honest reading is one hop: "head h of block L moved this much probability into
+    position t from the residual stream at s", not "input token s caused it"; what built the stream
+    at s is earlier blocks' work, and the pattern is taken as given (its own dependence on the
+    stream is not attributed). :meth:`Components.by_source` sums over blocks and heads.
+
+    Readouts: ``quantity`` and ``foil`` as in :func:`ig_lens` (f = p(y), log p(y), or their
+    difference with a foil); every share is then in the unit of f.
+
     Cost: the weighted gradient sum ``sum_s w_s grad f`` of every segment in closed form, with no
     backward pass: one head product per path node and one per segment (:meth:`Readout._segment_gradient`),
-    then each block's shares from one (d x P) product with its projection weight. Never a backward
-    per component. Memory: grid points are chunked to the readout's ``memory_budget``; the trace
-    holds activations, (T, H * head_dim) and (T, d_ff) per block. Either resolution costs the same
-    gradient pass (all 2n segments); ``resolution`` picks what is split.
+    then each block's shares from one (d x P) product with its projection weight, and the sources
+    from one (T x head_dim x S) product per head. Never a backward per component. Memory: grid
+    points and source products are chunked to the readout's ``memory_budget``; the trace holds
+    activations, (T, H * head_dim) and (T, d_ff) per block, and with sources the patterns
+    (T, H, S) and values (S, H_kv, head_dim) per block; ``sources`` itself is (T, n, H, S). Every
+    resolution costs the same gradient pass (all 2n segments); ``resolution`` picks what is split.
 
     Args:
         model: the causal LM that produced ``trace``.
-        trace: from :func:`collect_components`.
-        resolution: ``"head"``, ``"neuron"`` or ``"both"``.
+        trace: from :func:`collect_components` (``sources=True`` for the sources).
+        resolution: ``"head"``, ``"neuron"``, ``"both"`` (heads and neurons), ``"source"`` (heads
+            and sources) or ``"all"`` (heads, neurons and sources).
         steps: m, quadrature points per segment (>= 1).
         estimator: one of :data:`ESTIMATORS`. The gradient estimators integrate as above;
             ``"prediction_aware"`` splits the observed change of each of m uniform steps,
@@ -1784,6 +2008,7 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
             the step's midpoint: the parts then add up to ``f(b) - f(a)`` exactly at every m (up to
             float rounding), and each share tends to the same integral as m grows.
         readout: a :class:`Readout` to reuse (memory budget).
+        quantity: ``"prob"`` (default) or ``"logprob"``; foil: None, one token id or (T,) ids.
 
     Returns:
         A :class:`Components`.
@@ -1794,12 +2019,15 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons")}[resolution]
+    _check_quantity(quantity)
+    wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons"),
+              "source": ("heads", "patterns"), "all": ("heads", "neurons", "patterns")}[resolution]
     missing = [name for name in ("mid",) + wanted if getattr(trace, name) is None]
     if missing:
         raise ValueError(f"the trace has no {missing}: record it with collect_components(model, "
-                         "input_ids, prompt_len)")
+                         f"input_ids, prompt_len{', sources=True' if 'patterns' in missing else ''})")
     readout = readout or Readout(model)
+    foils = check_foil(foil, trace.targets, readout.vocab_size)
     n = trace.n_layers
     ends, _, _ = path_nodes(trace, list(range(1, n + 1)), "sublayer")
     nodes = torch.cat([trace.hidden[:1], ends]).to(readout.dtype)  # (2n+1, T, d)
@@ -1807,14 +2035,18 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         alphas, weights = (torch.arange(int(steps), dtype=torch.float64) + 0.5) / int(steps), "observed"
     else:
         alphas, weights = quadrature(estimator, int(steps))
-    gbar, lens = readout.along_segments(nodes, trace.targets, alphas, weights=weights)  # (2n, T, d)
+    gbar, lens = readout.along_segments(nodes, trace.targets, alphas, weights=weights, foils=foils,
+                                        quantity=quantity)  # (2n, T, d)
     lens = lens.T.double()  # (T, 2n+1)
     terms = (lens[:, 1:] - lens[:, :-1]).view(-1, n, 2)  # (T, n, 2) exact attention, MLP terms
+    work = torch.float64 if readout.dtype == torch.float64 else torch.float32
     out, residuals, rebuild = {}, {}, 0.0
     for name, sublayer, col in (("heads", "attn", 0), ("neurons", "mlp", 1)):
         if name not in wanted:
             continue
-        shares, parts = component_terms(model, trace, gbar[col::2], sublayer)
+        sources = "patterns" in wanted and sublayer == "attn"
+        shares, parts, per_source = component_terms(model, trace, gbar[col::2], sublayer, sources=sources,
+                                                    memory_budget=readout.memory_budget)
         start, end = (trace.hidden[:-1], trace.mid) if col == 0 else (trace.mid, trace.hidden[1:])
         recorded = (end - start).double()  # (n, T, d)
         gap = (parts - recorded).norm(dim=-1) / recorded.norm(dim=-1).clamp_min(1e-12)
@@ -1823,12 +2055,15 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
             raise ValueError(f"the {sublayer} parts do not rebuild the recorded increment (relative "
                              f"gap {rebuild:.1e}): this block's sublayer output is not its "
                              "projection's output (an unsupported architecture?)")
-        out[name] = shares.to(lens.dtype if readout.dtype == torch.float64 else torch.float32)
+        out[name] = shares.to(work)
         residuals[name] = float((shares.sum(-1) - terms[..., col]).abs().max())
-    work = torch.float64 if readout.dtype == torch.float64 else torch.float32
+        if sources:
+            out["sources"] = per_source.to(work)
+            residuals["sources"] = float((per_source.sum(-1) - shares[..., :-1]).abs().max())
     return Components(out.get("heads"), out.get("neurons"), terms[..., 0].to(work), terms[..., 1].to(work),
                       residuals.get("heads", math.nan), residuals.get("neurons", math.nan), rebuild,
-                      lens.to(work), trace.targets, trace.positions, estimator, int(steps))
+                      lens.to(work), trace.targets, trace.positions, estimator, int(steps),
+                      out.get("sources"), residuals.get("sources", math.nan), quantity, foils)
 
 
 # ---------------------------------------------------------------------------
