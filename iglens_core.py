@@ -7,7 +7,8 @@ One plain module. Sections, in reading order:
 3. prompts and the collector (one forward pass -> a ``Trace``)
 4. the head-once readout ``Readout``
 5. the integrator and its estimators (``ig_lens`` -> ``Attribution``), and the split of each
-   sublayer term into attention heads and MLP neurons (``components`` -> ``Components``)
+   sublayer term into attention heads and MLP neurons, and of each head's share into the source
+   positions it reads (``components`` -> ``Components``)
 6. datasets (``attribute_dataset``: batched, resumable, on one process or many)
 7. plotting and figures
 8. command line
@@ -26,6 +27,8 @@ gradient theorem is ``f(h_Lj) - f(h_L(j-1))``; the ``K`` terms telescope to
 ``f(h_n) - f(h_base) = Δp``. The prediction-aware estimator credits every step its observed
 change in ``f``; its segment value is therefore *exactly* the logit-lens difference of the
 segment's endpoints, and ``steps`` only sets the resolution of the within-segment profile.
+Any scalar readout telescopes the same way: ``quantity="logprob"`` and a ``foil`` give
+``log p(y)``, ``p(y) - p(foil)`` and ``log p(y) - log p(foil) = z_y - z_foil``.
 """
 
 from __future__ import annotations

@@ -5,20 +5,10 @@ import pytest
 import torch
 
 import iglens_core as ig
-from conftest import tiny_model
+from conftest import sharp_model
 
 ARCHS = ["llama", "gpt2", "gemma3", "qwen2"]
 READOUTS = [("prob", False), ("logprob", False), ("prob", True), ("logprob", True)]
-
-
-def sharp_model(arch, seed=0, dtype=torch.float32):
-    """conftest's tiny model (randomised norms), matrices scaled up so that probabilities move."""
-    model = tiny_model(arch, seed=seed, dtype=dtype)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.mul_(4.0)
-    return model
 
 
 def foils_for(trace, seed=0):
@@ -46,7 +36,7 @@ def own_quantity(model, trace, quantity, foils):
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request):
     torch.set_grad_enabled(False)
-    model = sharp_model(request.param, seed=ARCHS.index(request.param))
+    model = sharp_model(request.param, seed=ARCHS.index(request.param), scale=4.0)
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(7))
     return request.param, model, ig.collect_components(model, ids, 5)
 
@@ -133,7 +123,7 @@ def test_slopes_and_gradient_sums_match_autograd(case, quantity, with_foil):
 
 
 def test_bad_input():
-    model = sharp_model("llama")
+    model = sharp_model("llama", scale=4.0)
     trace = ig.collect_components(model, torch.arange(10)[None], 4)
     T = len(trace.targets)
     for call in (ig.ig_lens, ig.components):

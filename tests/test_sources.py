@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import iglens_core as ig
-from conftest import tiny_model
+from conftest import blocks, sharp_model
 
 # per architecture, found here by name, independently of the core's lookup: the attention module
 # inside a block, the module whose output holds the values, how to cut them out ((L, width) ->
@@ -24,21 +24,6 @@ LAYOUT = {
 ARCHS = list(LAYOUT)
 
 
-def sharp_model(arch, seed=0, dtype=torch.float64):
-    """conftest's tiny model (randomised norms), matrices scaled up so that probabilities move."""
-    model = tiny_model(arch, seed=seed, dtype=dtype)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.mul_(4.0)
-    return model
-
-
-def blocks(model):
-    base = model.base_model
-    return getattr(base, "layers", None) or getattr(base, "h", None)
-
-
 def trace_of(model, seed=0, length=12, prompt_len=5):
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
     return ig.collect_components(model, ids, prompt_len, sources=True)
@@ -47,7 +32,7 @@ def trace_of(model, seed=0, length=12, prompt_len=5):
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request):
     torch.set_grad_enabled(False)
-    model = sharp_model(request.param, seed=ARCHS.index(request.param))
+    model = sharp_model(request.param, seed=ARCHS.index(request.param), dtype=torch.float64, scale=4.0)
     return request.param, model, trace_of(model, seed=ARCHS.index(request.param))
 
 
@@ -148,7 +133,7 @@ def test_memory_budget_chunks_give_the_same_sources(case):
 
 
 def test_collect_sources_records_the_model_and_restores_attention():
-    model = sharp_model("qwen2", dtype=torch.float32)
+    model = sharp_model("qwen2", scale=4.0)
     before = model.config._attn_implementation
     trace = trace_of(model)
     assert model.config._attn_implementation == before
@@ -161,7 +146,7 @@ def test_collect_sources_records_the_model_and_restores_attention():
 
 
 def test_bad_input():
-    model = sharp_model("llama", dtype=torch.float32)
+    model = sharp_model("llama", scale=4.0)
     plain = ig.collect_components(model, torch.arange(10)[None], 4)
     for resolution in ("source", "all"):
         with pytest.raises(ValueError, match="sources=True"):
