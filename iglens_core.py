@@ -7,7 +7,8 @@ The method and only the method, in one plain module. Sections, in reading order:
 3. prompts and the collector (one forward pass -> a ``Trace``)
 4. the head-once readout ``Readout``
 5. the integrator and its estimators (``ig_lens`` -> ``Attribution``), and the split of each
-   sublayer term into attention heads and MLP neurons (``components`` -> ``Components``)
+   sublayer term into attention heads and MLP neurons, and of each head's share into the source
+   positions it reads (``components`` -> ``Components``)
 
 Beside it, each importing this module and none imported by it: ``iglens_data.py`` (datasets at
 scale: input files, batches, shards, ranks, resume), ``iglens_plot.py`` (figures and the
@@ -26,6 +27,8 @@ gradient theorem is ``f(h_Lj) - f(h_L(j-1))``; the ``K`` terms telescope to
 ``f(h_n) - f(h_base) = Δp``. The prediction-aware estimator credits every step its observed
 change in ``f``; its segment value is therefore *exactly* the logit-lens difference of the
 segment's endpoints, and ``steps`` only sets the resolution of the within-segment profile.
+Any scalar readout telescopes the same way: ``quantity="logprob"`` and a ``foil`` give
+``log p(y)``, ``p(y) - p(foil)`` and ``log p(y) - log p(foil) = z_y - z_foil``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import math
 import os
 import sys
 import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -58,6 +62,9 @@ CPU_CHUNK_BYTES = 24 * 2**20
 ESTIMATORS = ("prediction_aware", "riemann_left", "riemann_right", "riemann_mid",
               "trapezoid", "gauss_legendre")
 BASELINES = ("embedding", "zero", "mean")
+# the scalar readout f that IG-Lens splits: the target's probability or log-probability (with a
+# foil: their difference; the log-probability difference is the logit difference z_y - z_foil)
+QUANTITIES = ("prob", "logprob")
 
 
 # ---------------------------------------------------------------------------
@@ -549,13 +556,62 @@ def _execution_device(module: nn.Module, default: torch.device) -> torch.device:
     return param.device if param is not None and param.device.type != "meta" else default
 
 
-def _target_prob(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``softmax(logits)`` at ``index`` along the last axis (same shape as ``index``).
+def _readout_value(logits: torch.Tensor, index: torch.Tensor, quantity: str) -> torch.Tensor:
+    """The readout quantity from logits (see :data:`QUANTITIES`).
+
+    Args:
+        logits: (..., V) the model's final logits.
+        index: (..., 1) the target, or (..., 2) the target and the foil.
+        quantity: ``"prob"`` or ``"logprob"``.
+
+    Returns:
+        (...) ``p(y)``, ``log p(y)``, ``p(y) - p(foil)`` or ``log p(y) - log p(foil)``; the last is
+        read as the logit difference ``z_y - z_foil`` (the log-sum-exp cancels exactly).
 
     ``log_softmax`` + gather: the fastest here (bench.py); in float32 at V = 49152 its internal sum
     costs up to 7e-6 in probability against float64 (an in-place exp and the summation kernel
     reach 3e-7 but take ~3x as long)."""
-    return torch.log_softmax(logits, -1).gather(-1, index).exp()
+    if quantity == "logprob" and index.shape[-1] == 2:
+        picked = logits.gather(-1, index)
+    else:
+        picked = torch.log_softmax(logits, -1).gather(-1, index)
+        picked = picked.exp() if quantity == "prob" else picked
+    return picked[..., 0] - picked[..., 1] if index.shape[-1] == 2 else picked[..., 0]
+
+
+def _readout_slope(probs: torch.Tensor, index: torch.Tensor, quantity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readout's derivative in the logits, ``df/dz = sum_k w_k e_(index_k) - c p``.
+
+    ``p(y)``: ``p_y (e_y - p)``; ``log p(y)``: ``e_y - p``; a foil subtracts its own term, so the
+    logit difference has ``c = 0``.
+
+    Args:
+        probs: (..., V) ``softmax(z)``; index: (..., K) the target (and the foil); quantity as
+            :func:`_readout_value`.
+
+    Returns:
+        ``(w (..., K), c (..., 1))``.
+    """
+    signs = torch.tensor([1.0, -1.0][:index.shape[-1]], dtype=probs.dtype, device=probs.device)
+    weights = probs.gather(-1, index) if quantity == "prob" else torch.ones(index.shape, dtype=probs.dtype,
+                                                                             device=probs.device)
+    weights = weights * signs
+    return weights, weights.sum(-1, keepdim=True)
+
+
+def _readout_tangent(probs: torch.Tensor, tangent: torch.Tensor, index: torch.Tensor,
+                     quantity: str) -> torch.Tensor:
+    """``<df/dz, tangent>`` (...) from ``probs`` and ``tangent`` (..., V); ``tangent`` is overwritten.
+
+    A float32 einsum/bmm here accumulates over V with errors up to 1e-3 (measured on SmolLM2
+    against float64); the summation kernel stays near 3e-6."""
+    weights, total = _readout_slope(probs, index, quantity)
+    return (weights * tangent.gather(-1, index)).sum(-1) - total[..., 0] * tangent.mul_(probs).sum(-1)
+
+
+def _check_quantity(quantity) -> None:
+    if quantity not in QUANTITIES:
+        raise ValueError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
@@ -697,6 +753,11 @@ class Trace:
             block's attention output projection (the heads' outputs side by side).
         neurons: (n, T, d_ff) or None. From :func:`collect_components`: the input of each block's
             MLP down projection (one activation per neuron).
+        patterns: (n, T, H, S) or None. From ``collect_components(..., sources=True)``: every head's
+            attention row at each predicting position over the whole sequence (``S = L``; the
+            model's own probabilities, after its mask, sliding window and soft-capping).
+        values: (n, S, H_kv, head_dim) or None. With ``patterns``: the value vectors of every
+            key/value head at every position; head h reads key/value head ``h // (H / H_kv)``.
         model_fingerprint: (k,) :func:`model_fingerprint` of the model that made the trace (None for
             a trace built by hand); the functions that take a model and a trace check it.
     """
@@ -709,6 +770,8 @@ class Trace:
     mid: Optional[torch.Tensor] = None
     heads: Optional[torch.Tensor] = None
     neurons: Optional[torch.Tensor] = None
+    patterns: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
     model_fingerprint: Optional[torch.Tensor] = None
 
     @property
@@ -972,8 +1035,67 @@ def _projection_weight(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Te
     return weight, (bias.detach() if isinstance(bias, torch.Tensor) else None)
 
 
+def _head_counts(model) -> tuple[int, int]:
+    """``(H, H_kv)``: attention heads and key/value heads per block, from the model's config."""
+    config = getattr(model.config, "text_config", None) or model.config
+    heads = _first_attr(config, ("num_attention_heads", "n_head"))
+    return int(heads), int(_first_attr(config, ("num_key_value_heads",)) or heads)
+
+
+def _value_reader(attention: nn.Module, heads: int, kv_heads: int) -> tuple[nn.Module, Callable]:
+    """The module whose output holds a block's value vectors, and how to cut them out of it:
+    ``cut(output (..., width)) -> (..., H_kv, head_dim)``."""
+    if isinstance(getattr(attention, "v_proj", None), nn.Module):  # Llama, Qwen, Gemma, Mistral, OLMo
+        return attention.v_proj, lambda out: out.unflatten(-1, (kv_heads, -1))
+    if isinstance(getattr(attention, "qkv_proj", None), nn.Module):  # Phi-3: queries, keys, values
+        return attention.qkv_proj, lambda out: out[..., out.shape[-1] * (heads + kv_heads)
+                                                    // (heads + 2 * kv_heads):].unflatten(-1, (kv_heads, -1))
+    if isinstance(getattr(attention, "c_attn", None), nn.Module):  # GPT-2: queries, keys, values
+        return attention.c_attn, lambda out: out[..., 2 * out.shape[-1] // 3:].unflatten(-1, (heads, -1))
+    if isinstance(getattr(attention, "query_key_value", None), nn.Module):  # NeoX: (q, k, v) per head
+        return attention.query_key_value, lambda out: out.unflatten(-1, (heads, 3, -1))[..., 2, :]
+    raise ValueError(f"cannot find the value projection of {type(attention).__name__} (looked for "
+                     "v_proj, qkv_proj, c_attn, query_key_value): sources=True is not supported here")
+
+
+@contextmanager
+def _eager_attention(model):
+    """Run the model's attention in its eager implementation, which returns the probabilities."""
+    before = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if before in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _head_values(trace: Trace, layer: int) -> torch.Tensor:
+    """(S, H, head_dim) float64: the value vectors each head of block ``layer + 1`` reads (GQA:
+    head h reads key/value head ``h // (H / H_kv)``, as the model's ``repeat_kv``)."""
+    values, heads = trace.values[layer].double(), trace.patterns.shape[2]  # (S, H_kv, hd)
+    return values[:, torch.arange(heads) // (heads // values.shape[1])]
+
+
+def _check_patterns(trace: Trace) -> None:
+    """The heads' outputs rebuilt from patterns and values, ``sum_s A_h(t, s) v_h(s)``, must match
+    the recorded ones (``trace.heads``): else the values were cut out of the wrong place."""
+    for layer in range(trace.n_layers):
+        rebuilt = torch.einsum("ths,shd->thd", trace.patterns[layer].double(),
+                               _head_values(trace, layer)).flatten(1)
+        recorded = trace.heads[layer].double()  # (T, H * hd)
+        gap = float((rebuilt - recorded).norm() / recorded.norm().clamp_min(1e-12))
+        if gap > 1e-2:
+            raise ValueError(f"block {layer + 1}: the heads' outputs rebuilt from the attention "
+                             f"patterns and value vectors differ from the recorded ones (relative gap "
+                             f"{gap:.1e}); this attention does not read its values as sources=True "
+                             "assumes (an unsupported architecture?)")
+
+
 @torch.no_grad()
-def collect_components(model, input_ids: torch.Tensor, prompt_len: int) -> Trace:
+def collect_components(model, input_ids: torch.Tensor, prompt_len: int, *, sources: bool = False) -> Trace:
     """:func:`collect` with ``sublayer=True``, plus every head's and every neuron's activation.
 
     In the same forward pass, forward pre-hooks on each block's attention output projection
@@ -982,14 +1104,25 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int) -> Trace
     only: activations ``z`` (T, H * head_dim) and ``act`` (T, d_ff), not their (T, d_ff, d)
     products; :func:`components` multiplies them by the weights when it needs them.
 
+    With ``sources=True`` the pass runs the model's eager attention (the implementation that
+    returns its probabilities; switched back afterwards) and also records each head's attention
+    row at the predicting positions (the model's own, after masks, sliding windows and
+    soft-capping) and the value vectors of every position (from the value projection's output;
+    under GQA those of the shared key/value head). They must rebuild the recorded head outputs,
+    ``z_h(t) = sum_s A_h(t, s) v_h(s)``, or a ValueError says the architecture is not supported.
+
     Returns:
-        A :class:`Trace` with ``mid``, ``heads`` (n, T, H * head_dim) and ``neurons`` (n, T, d_ff).
+        A :class:`Trace` with ``mid``, ``heads`` (n, T, H * head_dim) and ``neurons`` (n, T, d_ff);
+        with ``sources``, also ``patterns`` (n, T, H, S) and ``values`` (n, S, H_kv, head_dim).
     """
     input_ids = _check_sequence(model, input_ids, prompt_len)
     adapter = get_adapter(model)
+    n = adapter.n_layers
     positions = torch.arange(prompt_len - 1, input_ids.shape[1] - 1)
-    heads: list[Optional[torch.Tensor]] = [None] * adapter.n_layers
-    neurons: list[Optional[torch.Tensor]] = [None] * adapter.n_layers
+    heads: list[Optional[torch.Tensor]] = [None] * n
+    neurons: list[Optional[torch.Tensor]] = [None] * n
+    patterns: list[Optional[torch.Tensor]] = [None] * n
+    values: list[Optional[torch.Tensor]] = [None] * n
 
     def keeper(store, layer):
         def hook(module, args):
@@ -997,16 +1130,41 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int) -> Trace
             store[layer] = x[0, positions.to(x.device)].detach().to(precision(x.dtype)).cpu()
         return hook
 
+    def pattern_keeper(layer):
+        def hook(module, args, output):
+            probs = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+            if not isinstance(probs, torch.Tensor):
+                raise ValueError(f"the attention of block {layer + 1} ({type(module).__name__}) "
+                                 "returned no attention probabilities in eager mode: sources=True "
+                                 "is not supported here")
+            rows = probs[0][:, positions.to(probs.device)].transpose(0, 1)  # (T, H, S)
+            patterns[layer] = rows.detach().to(precision(probs.dtype)).cpu()
+        return hook
+
+    def value_keeper(layer, cut):
+        def hook(module, args, output):
+            values[layer] = cut(output[0]).detach().to(precision(output.dtype)).cpu()  # (S, H_kv, hd)
+        return hook
+
     hooks = []
     try:
         for layer, block in enumerate(adapter.blocks):
             for sublayer, store in (("attn", heads), ("mlp", neurons)):
                 hooks.append(_projection(block, sublayer)[0].register_forward_pre_hook(keeper(store, layer)))
-        trace = collect(model, input_ids, prompt_len, sublayer=True)
+            if sources:
+                attention = _first_attr(block, _ATTENTIONS)
+                module, cut = _value_reader(attention, *_head_counts(model))
+                hooks.append(attention.register_forward_hook(pattern_keeper(layer)))
+                hooks.append(module.register_forward_hook(value_keeper(layer, cut)))
+        with _eager_attention(model) if sources else nullcontext():
+            trace = collect(model, input_ids, prompt_len, sublayer=True)
     finally:
         for hook in hooks:
             hook.remove()
     trace.heads, trace.neurons = torch.stack(heads), torch.stack(neurons)
+    if sources:
+        trace.patterns, trace.values = torch.stack(patterns), torch.stack(values)
+        _check_patterns(trace)
     return trace
 
 
@@ -1071,47 +1229,61 @@ class Readout:
             logits = torch.tanh(logits / self.adapter.softcap) * self.adapter.softcap
         return logits
 
+    def _index(self, targets, foils, shape) -> torch.Tensor:
+        """(points, K) the target (K = 1) and the foil (K = 2) of every point of ``shape``."""
+        columns = [targets] if foils is None else [targets, foils]
+        return torch.stack([torch.broadcast_to(torch.as_tensor(column), shape).reshape(-1)
+                            for column in columns], -1).to(self.device)
+
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Target probability at every point.
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor, foils: Optional[torch.Tensor] = None,
+                 *, quantity: str = "prob") -> torch.Tensor:
+        """The readout f at every point: the target probability by default.
 
         Args:
             hidden: (..., d) residual-stream points.
             targets: (...) token ids, broadcastable to ``hidden.shape[:-1]``.
+            foils: (...) token ids of a foil, broadcastable likewise, or None.
+            quantity: ``"prob"`` (f = p(y), or p(y) - p(foil)) or ``"logprob"`` (f = log p(y) in
+                nats, or log p(y) - log p(foil), which is the logit difference z_y - z_foil).
 
         Returns:
-            (...) float32 probabilities, float64 for a float64 model (on the CPU when the input was).
+            (...) f, float32 (float64 for a float64 model), on the CPU when the input was.
         """
+        _check_quantity(quantity)
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1])
-        ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
+        index = self._index(targets, foils, shape)  # (rows, K)
         out = torch.empty(rows.shape[0], dtype=precision(self.dtype), device=self.device)
         step = self.chunk_rows()
         for start in range(0, rows.shape[0], step):
             # log_softmax + gather: measured faster than gather - logsumexp on a CPU (bench.py)
-            out[start:start + step] = _target_prob(self.logits(rows[start:start + step]),
-                                                   ids[start:start + step, None])[:, 0]
+            out[start:start + step] = _readout_value(self.logits(rows[start:start + step]),
+                                                     index[start:start + step], quantity)
         return out.reshape(shape).to(hidden.device)
 
     @torch.no_grad()
-    def directional(self, hidden: torch.Tensor, direction: torch.Tensor,
-                    targets: torch.Tensor) -> torch.Tensor:
+    def directional(self, hidden: torch.Tensor, direction: torch.Tensor, targets: torch.Tensor,
+                    foils: Optional[torch.Tensor] = None, *, quantity: str = "prob") -> torch.Tensor:
         """``<direction, grad f(hidden)>`` by forward-mode differentiation (no backward pass).
 
-        With ``z`` the logits and ``p`` their softmax, ``d f = p_y (dz_y - sum_v p_v dz_v)``,
-        where ``dz`` is the forward-mode tangent of the logits along ``direction``.
+        With ``z`` the logits and ``p`` their softmax, ``df = <df/dz, dz>`` where ``dz`` is the
+        forward-mode tangent of the logits along ``direction`` and ``df/dz`` is ``p_y (e_y - p)``
+        for p(y), ``e_y - p`` for log p(y), minus the same for a foil.
 
         Args:
             hidden, direction: (..., d).
-            targets: (...) token ids.
+            targets: (...) token ids; foils, quantity: as :meth:`__call__`.
 
         Returns:
-            (...) float32 (float64 for a float64 model) directional derivatives (probability per unit step along ``direction``).
+            (...) float32 (float64 for a float64 model) directional derivatives (f per unit step
+            along ``direction``).
         """
+        _check_quantity(quantity)
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.norm_device, self.dtype)
         dirs = torch.broadcast_to(direction, hidden.shape).reshape(rows.shape).to(rows)
-        ids = torch.broadcast_to(torch.as_tensor(targets), shape).reshape(-1).to(self.device)
+        index = self._index(targets, foils, shape)  # (rows, K)
         out = torch.empty(rows.shape[0], dtype=precision(self.dtype), device=self.device)
         step = max(1, self.chunk_rows() // 2)  # logits and their tangent
         for start in range(0, rows.shape[0], step):
@@ -1119,11 +1291,7 @@ class Readout:
             logits, tangent = self._logits_and_tangent(rows[sl], dirs[sl])
             probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax in place: one
             probs.div_(probs.sum(-1, keepdim=True))                    # (rows, V) buffer fewer
-            p_y = probs.gather(-1, ids[sl, None])[:, 0]
-            t_y = tangent.gather(-1, ids[sl, None])[:, 0]
-            # a float32 einsum/bmm here accumulates over V with errors up to 1e-3 (measured on
-            # SmolLM2 against float64); the summation kernel stays near 3e-6
-            out[sl] = p_y * (t_y - tangent.mul_(probs).sum(-1))
+            out[sl] = _readout_tangent(probs, tangent, index[sl], quantity)
         return out.reshape(shape).to(hidden.device)
 
     def _logits_and_tangent(self, rows: torch.Tensor, dirs: torch.Tensor):
@@ -1187,19 +1355,19 @@ class Readout:
             direction = direction - direction.mean(-1, keepdim=True)
         return -scale.pow(3) * (points * direction).mean(-1)
 
-    def _node_products(self, rows: torch.Tensor, ids: torch.Tensor,
-                       offset: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _node_products(self, rows: torch.Tensor, index: torch.Tensor, offset: Optional[torch.Tensor],
+                       quantity: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Path nodes -> their products ``Z(h) = (head(norm(h)) - c) / s(h)`` and f there.
 
         Args:
-            rows: (r, d) nodes; ids: (r,) their targets; offset: (V,) ``c`` or None.
+            rows: (r, d) nodes; index: (r, K) their targets (and foils); offset: (V,) ``c`` or None.
 
         Returns:
             ``(Z (r, V), f (r,))`` in working precision; f is read from the model's own logits.
         """
         head_out = self.adapter.head(self.adapter.norm(rows.to(self.norm_device, self.dtype)).to(self.device))
-        f_nodes = torch.cat([_target_prob(self._finish(part), part_ids[:, None])[:, 0]  # 16 rows
-                             for part, part_ids in zip(head_out.split(16), ids.split(16))])  # of temporaries
+        f_nodes = torch.cat([_readout_value(self._finish(part), part_index, quantity)  # 16 rows
+                             for part, part_index in zip(head_out.split(16), index.split(16))])  # of temporaries
         out = head_out.to(precision(self.dtype))
         if offset is not None:
             out = out.sub_(offset)
@@ -1218,13 +1386,14 @@ class Readout:
                                              dtype=self.dtype))[0]
         return head(bias[None].to(self.device))[0].to(precision(self.dtype))
 
-    def _segment(self, z_start, z_end, start, end, alphas, ids, offset, slope: bool) -> torch.Tensor:
+    def _segment(self, z_start, z_end, start, end, alphas, index, offset, slope: bool, quantity: str) -> torch.Tensor:
         """f (or df/dalpha) on one segment for a block of tokens.
 
         Args:
             z_start, z_end: (b, V) node products of the segment's ends.
             start, end: (b, d) the ends, working precision.
-            alphas: (m',) positions in [0, 1]; ids: (b,) targets; offset: (V,) ``c`` or None.
+            alphas: (m',) positions in [0, 1]; index: (b, K) targets (and foils); offset: (V,)
+                ``c`` or None; quantity: as :meth:`__call__`.
 
         Returns:
             (b, m').
@@ -1238,17 +1407,16 @@ class Readout:
         if offset is not None:
             head_out += offset
         logits = self._finish(head_out)
-        index = ids[:, None, None].expand(-1, len(alphas), 1)
+        index = index[:, None].expand(-1, len(alphas), -1)  # (b, m', K)
         if not slope:
-            return _target_prob(logits, index)[..., 0]
+            return _readout_value(logits, index, quantity)
         scale_slope = self._scale_slope(points, delta[:, None].expand_as(points), scale)  # (b, m')
         ends = torch.tensor([-1.0, 1.0], dtype=mix.dtype, device=mix.device)
         tangent = torch.bmm(scale_slope[..., None] * mix + scale[..., None] * ends, pair)  # (b, m', V)
         tangent = self._finish_tangent(tangent, logits)
         probs = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # softmax in place
         probs.div_(probs.sum(-1, keepdim=True))
-        p_y, t_y = probs.gather(-1, index)[..., 0], tangent.gather(-1, index)[..., 0]
-        return p_y * (t_y - tangent.mul_(probs).sum(-1))  # see Readout.directional on the sum
+        return _readout_tangent(probs, tangent, index, quantity)
 
     def _gain(self) -> torch.Tensor:
         """(d,) the final norm's elementwise gain ``G`` in ``norm(h) = s(h) G * P h + b``.
@@ -1268,15 +1436,16 @@ class Readout:
             self._norm_gain = gain.to(self.device, work)
         return self._norm_gain
 
-    def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, ids, offset):
+    def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, index, offset, quantity):
         """``sum_s w_s grad f(start + alpha_s (end - start))`` for a block of tokens, in closed form.
 
         At a point ``h`` with head output ``s(h) Z(h) + c`` and logits ``z``, ``p = softmax(z)``:
-        ``grad f = J_norm(h)^T W^T q`` with ``q = (dz/du) p_y (e_y - p)`` (``dz/du`` the logit scale
-        and soft-cap derivative), and for ``norm(h) = s(h) G * P h + b``,
-        ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``. Since ``<G * P h, W^T q> = <Z(h), q>``
-        is V-wide and ``W^T`` is linear, the weighted sum over the grid needs one ``(V x d)`` product
-        per segment: ``P (G * W^T (sum_s w_s s_s q_s) - sum_s w_s s_s^3 <Z_s, q_s> P h_s / d)``.
+        ``grad f = J_norm(h)^T W^T q`` with ``q = (dz/du) df/dz`` (``dz/du`` the logit scale and
+        soft-cap derivative; ``df/dz = p_y (e_y - p)`` for p(y), see :func:`_readout_slope`), and
+        for ``norm(h) = s(h) G * P h + b``, ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``.
+        Since ``<G * P h, W^T q> = <Z(h), q>`` is V-wide and ``W^T`` is linear, the weighted sum over
+        the grid needs one ``(V x d)`` product per segment:
+        ``P (G * W^T (sum_s w_s s_s q_s) - sum_s w_s s_s^3 <Z_s, q_s> P h_s / d)``.
         The product is left to the caller (:meth:`_finish_gradients`), which batches many segments
         into one: a few rows at a time it would read the whole head weight per segment.
 
@@ -1289,7 +1458,7 @@ class Readout:
         Args:
             z_start, z_end: (b, V) node products; start, end: (b, d) working precision.
             alphas: (m',) quadrature nodes; weights: (m',) their weights, or ``"observed"``.
-            ids: (b,); offset: (V,) or None.
+            index: (b, K) targets (and foils); offset: (V,) or None; quantity: as :meth:`__call__`.
 
         Returns:
             ``(summed (b, V), correction (b, d))``: ``sum_s w_s s_s q_s`` and the norm's second term.
@@ -1302,21 +1471,22 @@ class Readout:
         if offset is not None:
             head_out += offset
         logits = self._finish(head_out)  # the same tensor when there is no scale or soft-cap
-        index = ids[:, None, None].expand(-1, len(alphas), 1)
+        index = index[:, None].expand(-1, len(alphas), -1)  # (b, m', K)
         probs = torch.softmax(logits, -1)
-        p_y = probs.gather(-1, index)  # (b, m', 1)
-        chain = probs.mul_(-p_y).scatter_add_(-1, index, p_y)  # p_y (e_y - p), in place
+        picked, total = _readout_slope(probs, index, quantity)
+        chain = probs.mul_(-total).scatter_add_(-1, index, picked)  # df/dz, in place
         chain = self._finish_tangent(chain, logits)  # (b, m', V) q: df/d(head output)
-        dots = (chain * head_out).sum(-1)  # (b, m') <s Z_s + c, q_s>
+        dots = torch.linalg.vecdot(chain, head_out)  # (b, m') <s Z_s + c, q_s>, no (b, m', V) temporary
         if offset is not None:
             dots -= chain @ offset
         dots /= scale  # <Z_s, q_s>
         if isinstance(weights, str):  # "observed": the step's change over its midpoint slope
             m = len(alphas)
             bounds = torch.arange(m + 1, dtype=alphas.dtype, device=alphas.device) / m
-            change = self._segment(z_start, z_end, start, end, bounds, ids, offset, False).diff(dim=-1)
+            change = self._segment(z_start, z_end, start, end, bounds, index[:, 0], offset, False,
+                                   quantity).diff(dim=-1)
             slope = (self._scale_slope(points, delta[:, None].expand_as(points), scale) * dots
-                     + scale * (chain * (z_end - z_start)[:, None]).sum(-1))  # (b, m) df/dalpha
+                     + scale * torch.linalg.vecdot(chain, (z_end - z_start)[:, None]))  # (b, m) df/dalpha
             steady = slope.abs() > 1e-12
             weights = torch.where(steady, change / torch.where(steady, slope, 1.0), 1.0 / m)
         summed = torch.bmm((weights * scale)[:, None, :], chain)[:, 0]  # (b, V), a sum over m' only
@@ -1343,8 +1513,9 @@ class Readout:
 
     @torch.no_grad()
     def along_segments(self, nodes: torch.Tensor, targets: torch.Tensor, alphas: torch.Tensor,
-                       *, slope: bool = False,
-                       weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, slope: bool = False, weights: Optional[torch.Tensor] = None,
+                       foils: Optional[torch.Tensor] = None,
+                       quantity: str = "prob") -> tuple[torch.Tensor, torch.Tensor]:
         """f, or its slope, at ``h_j + alpha (h_(j+1) - h_j)`` for every segment j and alpha.
 
         The slope is ``df/dalpha = <h_(j+1) - h_j, grad f>`` (probability per unit of alpha). When
@@ -1363,17 +1534,20 @@ class Readout:
                 ``sum_s w_s grad f(h_j + alpha_s (h_(j+1) - h_j))`` (K, T, d) instead (see
                 :meth:`_segment_gradient`; needs the ``s(h) A h + b`` form); ``"observed"``: the
                 prediction-aware weights, ``alphas`` the midpoints of m uniform steps.
+            foils: (T,) token ids of a foil, or None; quantity: ``"prob"`` or ``"logprob"``
+                (see :meth:`__call__`).
 
         Returns:
             ``(values (K, T, m'), lens (K+1, T))``: f or its slope on the segments (or the gradient
             sums, (K, T, d)), and f at the nodes; float32 (float64 for a float64 model), on the
             CPU when ``nodes`` was.
         """
+        _check_quantity(quantity)
         K, T, d = nodes.shape[0] - 1, nodes.shape[1], nodes.shape[2]
         work = precision(self.dtype)
         alphas = torch.as_tensor(alphas).to(self.device, work)
         if self.norm_kind is not None and not self._form_checked and len(alphas) and K:
-            self._check_form(nodes, targets, alphas, slope or weights is not None)
+            self._check_form(nodes, targets, alphas, slope or weights is not None, foils, quantity)
         if weights is not None:
             if self.norm_kind is None:
                 raise ValueError(f"gradient sums need a final norm of the form s(h) A h + b (RMSNorm, "
@@ -1388,18 +1562,24 @@ class Readout:
         if self.norm_kind is None or not len(alphas) or not K:
             starts, deltas = nodes[:-1], nodes[1:] - nodes[:-1]  # (K, T, d)
             points = starts[:, :, None] + alphas.to(nodes)[None, None, :, None] * deltas[:, :, None]
-            lens = self(nodes, targets[None])
+            lens = self(nodes, targets[None], None if foils is None else foils[None], quantity=quantity)
+            per_point = (targets[None, :, None], None if foils is None else foils[None, :, None])
             if slope:
-                return self.directional(points, deltas[:, :, None].expand_as(points),
-                                        targets[None, :, None]), lens
-            return self(points, targets[None, :, None]), lens
+                return self.directional(points, deltas[:, :, None].expand_as(points), *per_point,
+                                        quantity=quantity), lens
+            return self(points, *per_point, quantity=quantity), lens
         out = torch.empty(K, T, len(alphas) if weights is None else d, dtype=work, device=self.device)
         lens = torch.empty(K + 1, T, dtype=work, device=self.device)
         half = max(1, self.chunk_rows() // 2)  # rows of node products, and of grid points
-        block = max(1, min(T, half // len(alphas)))  # tokens per block: block * m' grid rows
-        group = max(1, half // block)  # path nodes per product: group * block rows
-        ids, offset = targets.to(self.device), self._head_offset()
-        pending, flush = [], max(64, half)  # gradient sums waiting for their head product
+        # The gradient sums hold about twice the (rows, V) temporaries of f: half the grid rows
+        # keeps them in a CPU's cache, and twice the rows per head product (node products and
+        # gradient sums) runs the product nearer its peak (bench.py item 11: 2.7x -> 1.6x the
+        # time of f on a 32 MiB L3, with the vecdot and the in-place chain of _segment_gradient).
+        grid, rows = (half, half) if weights is None else (max(1, half // 2), 2 * half)
+        block = max(1, min(T, grid // len(alphas)))  # tokens per block: block * m' grid rows
+        group = max(1, rows // block)  # path nodes per product: group * block rows
+        index, offset = self._index(targets, foils, (T,)), self._head_offset()  # (T, K)
+        pending, flush = [], max(64, rows)  # gradient sums waiting for their head product
         for t0 in range(0, T, block):
             tokens = slice(t0, t0 + block)
             ends = nodes[:, tokens].to(self.device, work)  # (K+1, b, d)
@@ -1410,31 +1590,33 @@ class Readout:
                         products[-1] = products[-1].clone()
                     new = nodes[len(products):min(K + 1, j + 1 + group), tokens]  # (g, b, d)
                     b = new.shape[1]
-                    z, f_nodes = self._node_products(new.reshape(-1, d), ids[tokens].repeat(len(new)), offset)
+                    z, f_nodes = self._node_products(new.reshape(-1, d), index[tokens].repeat(len(new), 1),
+                                                     offset, quantity)
                     lens[len(products):len(products) + len(new), tokens] = f_nodes.reshape(len(new), b)
                     products += list(z.reshape(len(new), b, self.vocab_size).unbind(0))
                 if weights is not None:
                     pending.append((j, tokens) + self._segment_gradient(
-                        products[j], products[j + 1], ends[j], ends[j + 1], alphas, weights, ids[tokens], offset))
+                        products[j], products[j + 1], ends[j], ends[j + 1], alphas, weights, index[tokens],
+                        offset, quantity))
                     if sum(len(item[2]) for item in pending) >= flush:
                         self._finish_gradients(pending, out)
                 else:
                     out[j, tokens] = self._segment(products[j], products[j + 1], ends[j], ends[j + 1],
-                                                   alphas, ids[tokens], offset, slope)
+                                                   alphas, index[tokens], offset, slope, quantity)
                 products[j] = None
         self._finish_gradients(pending, out)
         return out.to(nodes.device), lens.to(nodes.device)
 
-    def _check_form(self, nodes, targets, alphas, slope: bool) -> None:
+    def _check_form(self, nodes, targets, alphas, slope: bool, foils, quantity: str) -> None:
         """Compare the factorised path with the direct readout on the first segment, once."""
         self._form_checked = True
         few = slice(0, 2)
         sample = nodes[:2, few]
         kind, self.norm_kind = self.norm_kind, None
-        direct = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, slope=slope)])
+        spec = dict(slope=slope, foils=None if foils is None else foils[few], quantity=quantity)
+        direct = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, **spec)])
         self.norm_kind = kind
-        factorised = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas,
-                                                                         slope=slope)])
+        factorised = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, **spec)])
         tol = 1e-4 * (1.0 + float(direct.abs().max()))
         if not torch.allclose(factorised, direct, atol=tol, rtol=0):
             warnings.warn(f"the final norm {type(self.adapter.norm).__name__} does not behave as "
@@ -1580,19 +1762,25 @@ def _check_trace(readout: Readout, trace: Trace) -> None:
 
 @dataclass
 class Attribution:
-    """IG-Lens attribution of the target probabilities of a trace.
+    """IG-Lens attribution of the target probabilities of a trace (or of another readout f).
+
+    Units: ``f`` is the target probability by default; with ``quantity="logprob"`` its
+    log-probability (nats); with foils, the difference ``f(y) - f(foil)`` (for ``"logprob"`` the
+    logit difference ``z_y - z_foil``). Every value below is in the unit of ``f``.
 
     Attributes:
-        values: (T, K) probability credited to each segment; rows sum to ``p_final - p_base``.
+        values: (T, K) f credited to each segment; rows sum to ``p_final - p_base``.
         layers: (K,) segment end layers (``Lj``); segment j runs ``h_L(j-1) -> h_Lj``.
         labels: (K,) segment names, e.g. ``"L12"`` or, at sublayer resolution, ``"L12.attn"``.
         p_base: (T,) ``f(h_base)``.
-        p_final: (T,) ``f(h_n)``, the model's own probability.
+        p_final: (T,) ``f(h_n)``, the model's own probability (log-probability, difference).
         lens: (T, K+1) ``f`` at the path nodes, the baseline first: the logit lens.
         residual: max over tokens of ``|sum_j values - (p_final - p_base)|``.
         targets, positions: (T,) as in the trace.
         estimator, steps, baseline: how it was computed.
         profile: (T, K, m+1) ``f`` on the uniform grid of every segment, or None.
+        quantity: ``"prob"`` or ``"logprob"`` (:data:`QUANTITIES`).
+        foils: (T,) the foil token of every position, or None.
     """
     values: torch.Tensor
     layers: list[int]
@@ -1607,10 +1795,12 @@ class Attribution:
     steps: int
     baseline: str
     profile: Optional[torch.Tensor] = None
+    quantity: str = "prob"
+    foils: Optional[torch.Tensor] = None
 
     @property
     def delta_p(self) -> torch.Tensor:
-        """(T,) ``p_final - p_base``."""
+        """(T,) ``p_final - p_base``: the change of f (probability by default, see ``quantity``)."""
         return self.p_final - self.p_base
 
     def onset(self, frac: float = 0.5) -> torch.Tensor:
@@ -1686,6 +1876,36 @@ class Attribution:
                    steps, baseline)
 
 
+def check_foil(foil, targets: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
+    """Validate a foil: one token id, or one per predicting position; returns (T,) long or None.
+
+    Raises:
+        ValueError: a foil that is not integer ids, not of shape () or (T,), outside
+            ``0..vocab_size-1``, or equal to the target at some position (f would be 0 there).
+    """
+    if foil is None:
+        return None
+    foils = torch.as_tensor(foil)
+    T = len(targets)
+    if foils.dtype.is_floating_point or foils.dtype.is_complex or foils.dtype == torch.bool:
+        raise ValueError(f"foil must be integer token ids (one id or {T} ids), got dtype {foils.dtype}")
+    if foils.dim() == 0:
+        foils = foils.expand(T)
+    if foils.shape != (T,):
+        raise ValueError(f"foil must be one token id or one per predicting position, shape ({T},); "
+                         f"got shape {tuple(foils.shape)}")
+    foils = foils.long().cpu()
+    bad = foils[(foils < 0) | (foils >= vocab_size)]
+    if len(bad):
+        raise ValueError(f"foil ids must lie in 0..{vocab_size - 1} (the model's vocabulary), "
+                         f"got {bad.unique()[:5].tolist()}")
+    same = (foils == targets.cpu()).nonzero()[:, 0]
+    if len(same):
+        raise ValueError(f"the foil equals the target at token index(es) {same.tolist()}: f(y) - "
+                         "f(foil) is 0 there; pick a different foil for those positions")
+    return foils.clone()
+
+
 def check_layers(layers: Optional[Sequence[int]], n_layers: int) -> list[int]:
     """Validate segment end layers (strictly increasing, in 1..n); append n when missing."""
     if layers is None:
@@ -1759,8 +1979,15 @@ def path_nodes(trace: Trace, layers: Sequence[int], resolution: str = "layer"):
 def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
             baseline: Union[str, torch.Tensor] = "embedding", steps: int = 16,
             estimator: str = "prediction_aware", profile: bool = False,
-            resolution: str = "layer", readout: Optional[Readout] = None) -> Attribution:
+            resolution: str = "layer", readout: Optional[Readout] = None,
+            quantity: str = "prob", foil=None) -> Attribution:
     """Telescoping Integrated Gradients of the target probability along the residual stream.
+
+    The gradient theorem holds for any scalar readout, so other readouts telescope too:
+    ``quantity="logprob"`` splits ``log p(y)`` (then the terms of all answer tokens add up to the
+    change of the whole answer's log-probability), and a ``foil`` splits ``p(y) - p(foil)`` or
+    ``log p(y) - log p(foil)``, which is exactly the logit difference ``z_y - z_foil`` that circuit
+    studies use. Closed-form gradients and the prediction-aware estimator work for each.
 
     Cost. Without a profile the prediction-aware values need ``f`` only at the ``K+1`` path
     nodes, since the steps of a segment telescope: the exact map costs one logit-lens pass
@@ -1784,6 +2011,8 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
         profile: also return ``f`` on the uniform grid of every segment, (T, K, m+1).
         resolution: ``"layer"`` or ``"sublayer"`` (attention and MLP of every block, 2n segments).
         readout: a :class:`Readout` to reuse (memory budget, explicit norm/head).
+        quantity: ``"prob"`` (f = p(y), default) or ``"logprob"`` (f = log p(y), nats).
+        foil: None, one token id, or (T,) ids: f becomes ``f(y) - f(foil)``.
 
     Precision: everything runs in the model's dtype; ``model.double()`` gives a float64 run,
     which separates rounding from method error: :func:`float64_forward` makes the norms and the
@@ -1792,16 +2021,19 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
     without it), and warns naming any part that stays float32.
 
     Returns:
-        An :class:`Attribution`.
+        An :class:`Attribution` (its ``quantity`` and ``foils`` say what f was).
     """
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    _check_quantity(quantity)
     readout = readout or Readout(model)
     _check_trace(readout, trace)
     check_same_model(model, trace, readout)
     _check_steps(readout, steps, estimator, profile)
+    foils = check_foil(foil, trace.targets, readout.vocab_size)
+    spec = dict(foils=foils, quantity=quantity)
     layers = check_layers(layers, trace.n_layers)
     if not torch.isfinite(trace.hidden).all():
         raise ValueError("trace.hidden contains NaN or inf")
@@ -1814,7 +2046,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
 
     lens, grid = None, None  # lens: (T, K+1) f at the path nodes, the logit lens
     if profile:  # the K*m+1 points per token: the nodes and m-1 interior points per segment
-        inner, lens = readout.along_segments(nodes, targets, torch.arange(1, m) / m)  # (K, T, m-1)
+        inner, lens = readout.along_segments(nodes, targets, torch.arange(1, m) / m, **spec)  # (K, T, m-1)
         lens = lens.T
         grid = torch.cat([lens[:, :-1, None], inner.permute(1, 0, 2), lens[:, 1:, None]], -1)
 
@@ -1822,11 +2054,11 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
         if grid is not None:
             values = (grid[..., 1:] - grid[..., :-1]).sum(-1)  # step by step, (T, K)
         else:
-            lens = readout(nodes, targets[None]).T
+            lens = readout(nodes, targets[None], None if foils is None else foils[None], quantity=quantity).T
             values = lens[:, 1:] - lens[:, :-1]
     else:
         alphas, weights = quadrature(estimator, m)
-        slopes, node_f = readout.along_segments(nodes, targets, alphas, slope=True)  # (K, T, m')
+        slopes, node_f = readout.along_segments(nodes, targets, alphas, slope=True, **spec)  # (K, T, m')
         lens = node_f.T if lens is None else lens
         values = (slopes * weights.to(slopes)).sum(-1).T  # (T, K)
 
@@ -1836,7 +2068,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
     residual = float((values.double().sum(-1) - (p_final.double() - p_base.double())).abs().max())
     return Attribution(values.cpu(), layers, labels, p_base.cpu(), p_final.cpu(), lens.cpu(), residual,
                        targets, trace.positions, estimator, m, base_name,
-                       grid.cpu() if grid is not None else None)
+                       grid.cpu() if grid is not None else None, quantity, foils)
 
 
 def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.Tensor:
@@ -1856,8 +2088,12 @@ def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.
 # one number per position, so ``N(sum_k u_k) = sum_k G * u_k / rms(u)`` exactly. IG along the
 # straight segment credits part k with ``integral <delta_k, grad f> d alpha``, and since delta_k
 # does not depend on alpha that is ``<delta_k, gbar>`` with ``gbar = sum_s w_s grad f(point_s)``.
+#
+# A head's output is itself a sum over the positions it reads, ``z_h(t) = sum_s A_h(t, s) v_h(s)``
+# (its pattern row A_h(t, .) sums to 1, so a value bias splits too), so given the pattern the
+# head's part splits exactly over source positions s: ``<D W_O[:, slice_h] A_h(t, s) v_h(s), gbar>``.
 
-COMPONENT_RESOLUTIONS = ("head", "neuron", "both")
+COMPONENT_RESOLUTIONS = ("head", "neuron", "both", "source", "all")
 
 
 def _post_norm_map(post: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
@@ -1882,19 +2118,40 @@ def _post_norm_map(post: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
     return diagonal
 
 
-def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _source_terms(trace: Trace, layer: int, back: torch.Tensor, memory_budget: int) -> torch.Tensor:
+    """(T, H, S) float64 ``A_h(t, s) <v_h(s), back_h(t)>``: block ``layer + 1``'s head parts split
+    over the source positions s (``back`` (T, H * head_dim) the projection's transpose applied to
+    the gradient sum, so that a head's part is ``<z_h(t), back_h(t)>``); tokens are chunked so that
+    two (tokens, H, S) float64 temporaries fit ``memory_budget``."""
+    patterns = trace.patterns[layer]  # (T, H, S)
+    T, H, S = patterns.shape
+    values, back = _head_values(trace, layer), back.view(T, H, -1)  # (S, H, hd), (T, H, hd)
+    out = torch.empty(T, H, S, dtype=torch.float64)
+    step = max(1, memory_budget // (2 * 8 * H * S))
+    for t0 in range(0, T, step):
+        tokens = slice(t0, t0 + step)
+        out[tokens] = torch.einsum("thd,shd->ths", back[tokens], values).mul_(patterns[tokens])
+    return out
+
+
+def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *, sources: bool = False,
+                    memory_budget: int = DEFAULT_MEMORY_BUDGET):
     """``<delta_k, v>`` for every part k of one sublayer of every block: heads or neurons, bias last.
 
     Args:
-        trace: from :func:`collect_components`.
+        trace: from :func:`collect_components` (with ``sources=True`` for ``sources``).
         vectors: (n, T, d) or (T, d) one vector per block and token (the same for every block).
         sublayer: ``"attn"`` (parts: the H heads, then the output bias) or ``"mlp"`` (the d_ff
             neurons, then the bias). The bias part also carries nothing else: the parts rebuild
             the increment, which the second return value lets a caller check.
+        sources: ``"attn"`` only: also split every head's part over the source positions it
+            reads, ``<D W_O[:, h] A_h(t, s) v_h(s), v>`` (see :func:`components`).
+        memory_budget: bytes the source products' temporaries may take.
 
     Returns:
-        ``(terms (T, n, P + 1), increments (n, T, d))`` float64: the products, and each block's
-        increment rebuilt from its parts (``sum_k delta_k``).
+        ``(terms (T, n, P + 1), increments (n, T, d), sources (T, n, H, S) or None)`` float64: the
+        products, each block's increment rebuilt from its parts (``sum_k delta_k``), and the
+        head parts per source position.
     """
     if sublayer not in ("attn", "mlp"):
         raise ValueError(f"sublayer must be 'attn' or 'mlp', got {sublayer!r}")
@@ -1902,15 +2159,17 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str) -
     if acts is None:
         raise ValueError(f"the trace has no {'heads' if sublayer == 'attn' else 'neurons'}: "
                          "record it with collect_components(model, input_ids, prompt_len)")
+    if sources and (sublayer != "attn" or trace.patterns is None):
+        raise ValueError("sources need sublayer='attn' and a trace from collect_components(model, "
+                         "input_ids, prompt_len, sources=True)")
     adapter = get_adapter(model)
     n, T = acts.shape[0], acts.shape[1]
     vectors = torch.as_tensor(vectors).double().cpu()
     vectors = vectors.expand(n, *vectors.shape[-2:]) if vectors.dim() == 2 else vectors
     if vectors.shape[:2] != (n, T):
         raise ValueError(f"vectors must have shape ({n}, {T}, d) or ({T}, d), got {tuple(vectors.shape)}")
-    config = getattr(model.config, "text_config", None) or model.config
-    groups = _first_attr(config, ("num_attention_heads", "n_head")) if sublayer == "attn" else acts.shape[-1]
-    terms, increments = [], []
+    groups = _head_counts(model)[0] if sublayer == "attn" else acts.shape[-1]
+    terms, increments, per_source = [], [], []
     for layer, block in enumerate(adapter.blocks):
         proj, post = _projection(block, sublayer)
         weight, bias = _projection_weight(proj)
@@ -1920,19 +2179,26 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str) -
         outputs = act @ weight.T + bias  # (T, d) the sublayer output before any post-norm
         diagonal = _post_norm_map(post, outputs) if post is not None else torch.ones_like(outputs)
         read = diagonal * vectors[layer]  # (T, d): D is diagonal, <D u, v> = <u, D v>
-        parts = (act * (read @ weight)).reshape(T, groups, -1).sum(-1)  # (T, H) or (T, d_ff)
+        back = read @ weight  # (T, P) what a unit of each activation is worth
+        parts = (act * back).reshape(T, groups, -1).sum(-1)  # (T, H) or (T, d_ff)
         terms.append(torch.cat([parts, (read * bias).sum(-1, keepdim=True)], -1))
         increments.append(diagonal * outputs)
-    return torch.stack(terms, 1), torch.stack(increments)
+        if sources:
+            per_source.append(_source_terms(trace, layer, back, memory_budget))
+    return (torch.stack(terms, 1), torch.stack(increments),
+            torch.stack(per_source, 1) if sources else None)
 
 
 @dataclass
 class Components:
     """IG-Lens at component resolution: every head's and every neuron's share of Δp.
 
+    Units: those of f, the target probability by default (see ``quantity`` and ``foils``, as in
+    :class:`Attribution`).
+
     Attributes:
-        heads: (T, n, H + 1) probability credited to each head of each block's attention, the
-            output bias last; or None (``resolution="neuron"``).
+        heads: (T, n, H + 1) f credited to each head of each block's attention, the output bias
+            last; or None (``resolution="neuron"``).
         neurons: (T, n, d_ff + 1) the same for each MLP neuron, the down-projection bias last; or None.
         attn: (T, n) the attention terms ``f(mid_L) - f(h_(L-1))`` the heads add up to.
         mlp: (T, n) the MLP terms ``f(h_L) - f(mid_L)`` the neurons add up to.
@@ -1942,6 +2208,12 @@ class Components:
             parts against the recorded residual stream (float rounding only).
         lens: (T, 2n+1) ``f`` at ``h_0, mid_1, h_1, ..., mid_n, h_n``.
         targets, positions: (T,); estimator, steps: how the integrals were computed.
+        sources: (T, n, H, S) or None (``resolution="source"`` or ``"all"``): f credited to head h
+            of block L for what it moved into the predicting position from position s of the
+            sequence (``S = L``; zero for s after the position); ``sources.sum(-1)`` is
+            ``heads[..., :H]`` up to float rounding.
+        residual_sources: ``max |sources.sum(-1) - heads[..., :H]|`` (NaN when not computed).
+        quantity: ``"prob"`` or ``"logprob"``; foils: (T,) or None.
     """
     heads: Optional[torch.Tensor]
     neurons: Optional[torch.Tensor]
@@ -1955,15 +2227,30 @@ class Components:
     positions: torch.Tensor
     estimator: str
     steps: int
+    sources: Optional[torch.Tensor] = None
+    residual_sources: float = math.nan
+    quantity: str = "prob"
+    foils: Optional[torch.Tensor] = None
 
     @property
     def delta_p(self) -> torch.Tensor:
         """(T,) ``f(h_n) - f(h_0)``: the attention and MLP terms of all blocks add up to it."""
         return self.lens[:, -1] - self.lens[:, 0]
 
+    def by_source(self) -> torch.Tensor:
+        """(T, S + 1) f moved in from each source position by all heads of all blocks, then, last,
+        the rest: the MLPs, the attention output biases and the estimator's residual. Each row
+        adds up to ``delta_p``. One hop: what built the stream at s is earlier blocks' work."""
+        if self.sources is None:
+            raise ValueError("no sources: compute components(..., resolution='source' or 'all') "
+                             "on a trace from collect_components(..., sources=True)")
+        moved = self.sources.sum((1, 2))  # (T, S)
+        return torch.cat([moved, (self.delta_p.to(moved) - moved.sum(-1))[:, None]], -1)
+
 
 def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16,
-               estimator: str = "gauss_legendre", readout: Optional[Readout] = None) -> Components:
+               estimator: str = "gauss_legendre", readout: Optional[Readout] = None,
+               quantity: str = "prob", foil=None) -> Components:
     """Every attention head and every MLP neuron of every block, in probability, adding up.
 
     Segments: the 2n sublayer segments of ``ig_lens(resolution="sublayer")``, ``h_(L-1) -> mid_L``
@@ -1974,17 +2261,33 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
     its gradient-estimator value, which tends to ``f(b) - f(a)`` as ``steps`` grows (Gauss-Legendre:
     to the float floor by m of 16-64; ``residual_heads`` / ``residual_neurons`` report it).
 
+    Sources (``resolution="source"`` or ``"all"``, on a trace from
+    ``collect_components(..., sources=True)``): a head's output at the predicting position t is
+    ``z_h(t) = sum_s A_h(t, s) v_h(s)``, linear in the value vectors given the model's own pattern,
+    so the head's part splits exactly over the source positions s:
+    ``sources[t, L, h, s] = <D W_O[:, slice_h] A_h(t, s) v_h(s), gbar>``, adding up to the head's
+    share. The honest reading is one hop: "head h of block L moved this much probability into
+    position t from the residual stream at s", not "input token s caused it"; what built the stream
+    at s is earlier blocks' work, and the pattern is taken as given (its own dependence on the
+    stream is not attributed). :meth:`Components.by_source` sums over blocks and heads.
+
+    Readouts: ``quantity`` and ``foil`` as in :func:`ig_lens` (f = p(y), log p(y), or their
+    difference with a foil); every share is then in the unit of f.
+
     Cost: the weighted gradient sum ``sum_s w_s grad f`` of every segment in closed form, with no
     backward pass: one head product per path node and one per segment (:meth:`Readout._segment_gradient`),
-    then each block's shares from one (d x P) product with its projection weight. Never a backward
-    per component. Memory: grid points are chunked to the readout's ``memory_budget``; the trace
-    holds activations, (T, H * head_dim) and (T, d_ff) per block. Either resolution costs the same
-    gradient pass (all 2n segments); ``resolution`` picks what is split.
+    then each block's shares from one (d x P) product with its projection weight, and the sources
+    from one (T x head_dim x S) product per head. Never a backward per component. Memory: grid
+    points and source products are chunked to the readout's ``memory_budget``; the trace holds
+    activations, (T, H * head_dim) and (T, d_ff) per block, and with sources the patterns
+    (T, H, S) and values (S, H_kv, head_dim) per block; ``sources`` itself is (T, n, H, S). Every
+    resolution costs the same gradient pass (all 2n segments); ``resolution`` picks what is split.
 
     Args:
         model: the causal LM that produced ``trace``.
-        trace: from :func:`collect_components`.
-        resolution: ``"head"``, ``"neuron"`` or ``"both"``.
+        trace: from :func:`collect_components` (``sources=True`` for the sources).
+        resolution: ``"head"``, ``"neuron"``, ``"both"`` (heads and neurons), ``"source"`` (heads
+            and sources) or ``"all"`` (heads, neurons and sources).
         steps: m, quadrature points per segment (>= 1).
         estimator: one of :data:`ESTIMATORS`. The gradient estimators integrate as above;
             ``"prediction_aware"`` splits the observed change of each of m uniform steps,
@@ -1992,6 +2295,7 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
             the step's midpoint: the parts then add up to ``f(b) - f(a)`` exactly at every m (up to
             float rounding), and each share tends to the same integral as m grows.
         readout: a :class:`Readout` to reuse (memory budget).
+        quantity: ``"prob"`` (default) or ``"logprob"``; foil: None, one token id or (T,) ids.
 
     Returns:
         A :class:`Components`.
@@ -2002,13 +2306,16 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons")}[resolution]
+    _check_quantity(quantity)
+    wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons"),
+              "source": ("heads", "patterns"), "all": ("heads", "neurons", "patterns")}[resolution]
     missing = [name for name in ("mid",) + wanted if getattr(trace, name) is None]
     if missing:
         raise ValueError(f"the trace has no {missing}: record it with collect_components(model, "
-                         "input_ids, prompt_len)")
+                         f"input_ids, prompt_len{', sources=True' if 'patterns' in missing else ''})")
     check_same_model(model, trace, readout)
     readout = readout or Readout(model)
+    foils = check_foil(foil, trace.targets, readout.vocab_size)
     n = trace.n_layers
     ends, _, _ = path_nodes(trace, list(range(1, n + 1)), "sublayer")
     nodes = torch.cat([trace.hidden[:1], ends]).to(readout.dtype)  # (2n+1, T, d)
@@ -2016,14 +2323,18 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         alphas, weights = (torch.arange(int(steps), dtype=torch.float64) + 0.5) / int(steps), "observed"
     else:
         alphas, weights = quadrature(estimator, int(steps))
-    gbar, lens = readout.along_segments(nodes, trace.targets, alphas, weights=weights)  # (2n, T, d)
+    gbar, lens = readout.along_segments(nodes, trace.targets, alphas, weights=weights, foils=foils,
+                                        quantity=quantity)  # (2n, T, d)
     lens = lens.T.double()  # (T, 2n+1)
     terms = (lens[:, 1:] - lens[:, :-1]).view(-1, n, 2)  # (T, n, 2) exact attention, MLP terms
+    work = torch.float64 if readout.dtype == torch.float64 else torch.float32
     out, residuals, rebuild = {}, {}, 0.0
     for name, sublayer, col in (("heads", "attn", 0), ("neurons", "mlp", 1)):
         if name not in wanted:
             continue
-        shares, parts = component_terms(model, trace, gbar[col::2], sublayer)
+        sources = "patterns" in wanted and sublayer == "attn"
+        shares, parts, per_source = component_terms(model, trace, gbar[col::2], sublayer, sources=sources,
+                                                    memory_budget=readout.memory_budget)
         start, end = (trace.hidden[:-1], trace.mid) if col == 0 else (trace.mid, trace.hidden[1:])
         recorded = (end - start).double()  # (n, T, d)
         gap = (parts - recorded).norm(dim=-1) / recorded.norm(dim=-1).clamp_min(1e-12)
@@ -2032,9 +2343,12 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
             raise ValueError(f"the {sublayer} parts do not rebuild the recorded increment (relative "
                              f"gap {rebuild:.1e}): this block's sublayer output is not its "
                              "projection's output (an unsupported architecture?)")
-        out[name] = shares.to(lens.dtype if readout.dtype == torch.float64 else torch.float32)
+        out[name] = shares.to(work)
         residuals[name] = float((shares.sum(-1) - terms[..., col]).abs().max())
-    work = torch.float64 if readout.dtype == torch.float64 else torch.float32
+        if sources:
+            out["sources"] = per_source.to(work)
+            residuals["sources"] = float((per_source.sum(-1) - shares[..., :-1]).abs().max())
     return Components(out.get("heads"), out.get("neurons"), terms[..., 0].to(work), terms[..., 1].to(work),
                       residuals.get("heads", math.nan), residuals.get("neurons", math.nan), rebuild,
-                      lens.to(work), trace.targets, trace.positions, estimator, int(steps))
+                      lens.to(work), trace.targets, trace.positions, estimator, int(steps),
+                      out.get("sources"), residuals.get("sources", math.nan), quantity, foils)

@@ -52,7 +52,8 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
                    torch.cat([trace.targets for trace in traces]),
                    torch.cat([trace.positions for trace in traces]),
                    torch.cat([trace.hidden for trace in traces], 1),
-                   torch.cat([trace.model_probs for trace in traces]))
+                   torch.cat([trace.model_probs for trace in traces]),
+                   model_fingerprint=traces[0].model_fingerprint)
     whole = ig_lens(model, joined, layers=layers, baseline=baseline, steps=steps,
                     estimator=estimator, profile=profile, readout=readout)
     parts, start = [], 0
@@ -63,7 +64,8 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
         parts.append(Attribution(values, whole.layers, whole.labels, p_base, p_final, whole.lens[cut],
                                  residual, whole.targets[cut], whole.positions[cut], whole.estimator,
                                  whole.steps, baseline_name or whole.baseline,
-                                 whole.profile[cut] if whole.profile is not None else None))
+                                 whole.profile[cut] if whole.profile is not None else None,
+                                 whole.quantity, whole.foils[cut] if whole.foils is not None else None))
         start += size
     return parts
 

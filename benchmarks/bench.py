@@ -26,7 +26,8 @@ Items, in the order of the issue:
     matmul rate), its peak memory at two dataset sizes, and 2 processes (torchrun) against 1;
 11. components (issue 15): every head and every neuron of every block at m = 16 against reading
     out the same grid, and against captum ``LayerIntegratedGradients`` over the same head and
-    neuron activations;
+    neuron activations; every (block, head, source position) share against the heads alone, and
+    the log-probability and logit-difference readouts against p(y) (issue 21);
 12. activation patching of every node of one fact against a loop of spliced full forward passes;
 13. causal tracing: the position x node grid of one fact (``causal_trace``) against one spliced
     full forward pass per cell;
@@ -858,7 +859,9 @@ def item11_components(ctx) -> None:
     m = 16
     input_ids, prompt_len = ig.encode(tokenizer, PROMPT, ANSWER)
     trace = ig.collect_components(model, input_ids, prompt_len)
+    with_sources = ig.collect_components(model, input_ids, prompt_len, sources=True)
     n, T = trace.n_layers, len(trace.targets)
+    foil = int(tokenizer.encode(" Paris", add_special_tokens=False)[0])
     ends, _, _ = ig.path_nodes(trace, range(1, n + 1), "sublayer")
     nodes = torch.cat([trace.hidden[:1], ends]).to(ctx.device)  # (2n+1, T, d)
     alphas, weights = ig.quadrature("gauss_legendre", m)
@@ -866,7 +869,12 @@ def item11_components(ctx) -> None:
     fns = {"ours": lambda: ig.components(model, trace, steps=m, readout=readout),
            "per_point": lambda: every_point.along_segments(nodes, trace.targets, alphas),
            "grid": lambda: readout.along_segments(nodes, trace.targets, alphas),
-           "observed": lambda: ig.components(model, trace, steps=m, readout=readout, estimator="prediction_aware")}
+           "observed": lambda: ig.components(model, trace, steps=m, readout=readout, estimator="prediction_aware"),
+           "head": lambda: ig.components(model, with_sources, steps=m, readout=readout, resolution="head"),
+           "source": lambda: ig.components(model, with_sources, steps=m, readout=readout, resolution="source"),
+           "logprob": lambda: ig.components(model, trace, steps=m, readout=readout, quantity="logprob"),
+           "logit_diff": lambda: ig.components(model, trace, steps=m, readout=readout, quantity="logprob",
+                                               foil=foil)}
     best = best_of(fns, max(1, args.repeats - 1), ctx.device)
     ours = fns["ours"]()
     parts = n * (ours.heads.shape[-1] + ours.neurons.shape[-1])
@@ -876,7 +884,17 @@ def item11_components(ctx) -> None:
         "<= 1.5x", best["ours"] / best["per_point"] <= 1.5)
     add("11. components vs the same grid read out from node products (Readout.along_segments, f only)",
         fmt_time(best["ours"]), fmt_time(best["grid"]), f"{best['ours'] / best['grid']:.2f}x the time",
-        "report", None)
+        "<= 2.5x", best["ours"] / best["grid"] <= 2.5)
+    sources = fns["source"]()
+    S = sources.sources.shape[-1]
+    add(f"11. components with sources: every (block, head, source position) share ({n} x "
+        f"{sources.sources.shape[2]} x {S} per token; they add up to the head shares within "
+        f"{sources.residual_sources:.0e}) vs components(resolution='head') on the same trace",
+        fmt_time(best["source"]), fmt_time(best["head"]), f"{best['source'] / best['head']:.2f}x the time",
+        "<= 1.3x", best["source"] / best["head"] <= 1.3)
+    for name, label in (("logprob", "log p(y)"), ("logit_diff", "log p(y) - log p(' Paris') (the logit difference)")):
+        add(f"11. components of {label} vs of p(y)", fmt_time(best[name]), fmt_time(best["ours"]),
+            f"{best[name] / best['ours']:.2f}x the time", "report", None)
     exact = fns["observed"]()
     add(f"11. components, prediction-aware split (complete at every m: residual "
         f"{max(exact.residual_heads, exact.residual_neurons):.0e}; Gauss-Legendre "

@@ -60,6 +60,23 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, vocab_size: int = 
     return _randomise_norms(model, seed)
 
 
+def sharp_model(arch: str, seed: int = 0, dtype=torch.float32, scale: float = 6.0):
+    """tiny_model (randomised norms) with its matrices scaled up ``scale`` times, so that the
+    probabilities move far from uniform along the path and the integrals are not near-linear."""
+    model = tiny_model(arch, seed=seed, dtype=dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(scale)
+    return model
+
+
+def blocks(model):
+    """The block list of a Hugging Face causal LM, found here independently of the core."""
+    base = model.base_model
+    return getattr(base, "layers", None) or getattr(base, "h", None)
+
+
 ARCHS = ["llama", "llama32", "gemma3", "gpt2", "neox"]
 # further architectures, checked by tests/test_architectures.py only (keeps the other suites short)
 MORE_ARCHS = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "olmo"]

