@@ -1,6 +1,6 @@
 # IG-Lens. Two commands do everything on a fresh machine:
 #   make reproduce   set up, execute every numbered notebook, regenerate figures/
-#   make test        set up, run the unit tests and nbval over the notebooks
+#   make test        set up, run the unit tests and nbval over the notebooks (at 2 threads and at 1)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -49,10 +49,16 @@ test: unit nbval
 unit: model
 	TQDM_DISABLE=1 $(PY) -m pytest tests -q
 
+# twice: at 2 threads and at 1 (another reduction order, so another float path); the checked
+# cells must print the same text on both, as they must on another CPU or a GPU
+NBVAL_THREADS ?= 2 1
 nbval: model
 	@test -n "$(NOTEBOOKS)" || { echo "no numbered notebooks to check"; exit 0; }; \
-	TQDM_DISABLE=1 IGLENS_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q --nbval-lax \
-	  --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS)
+	for threads in $(NBVAL_THREADS); do \
+	  echo "nbval at OMP_NUM_THREADS=$$threads"; \
+	  OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 IGLENS_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q \
+	    --nbval-lax --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS) || exit 1; \
+	done
 
 bench: model
 	TQDM_DISABLE=1 $(PY) benchmarks/bench.py
