@@ -34,8 +34,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--baseline", default="embedding", choices=BASELINES)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--dataset", default=None,
-                        help="CSV with a prompt column (optional answer, id): attribute every row")
+    parser.add_argument("--dataset", default=None, metavar="FILE",
+                        help="attribute every row of a .csv, .tsv, .json (list of records), .jsonl or "
+                             ".parquet file (UTF-8) with a prompt column and optional answer and id "
+                             "columns; an empty answer: the greedy one. The answer is tokenised as "
+                             "given: with --no-chat a continuation word needs its leading space "
+                             "(' Paris', not 'Paris')")
+    parser.add_argument("--prompt-column", default="prompt", help="with --dataset: the prompt column")
+    parser.add_argument("--answer-column", default=None,
+                        help="with --dataset: the answer column (default: 'answer' if present)")
+    parser.add_argument("--id-column", default=None,
+                        help="with --dataset: the id column (default: 'id' if present, else the row number)")
     parser.add_argument("--out", default=None, help="with --dataset: the results .parquet file")
     parser.add_argument("--batch-size", type=int, default=16, help="with --dataset: items per batch")
     parser.add_argument("--resume", action="store_true", help="with --dataset: skip ids in OUT.parts/")
@@ -44,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "with --dataset a folder: one view per item, ID.html")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.dataset is None):
-        parser.error("give exactly one of a prompt or --dataset FILE.csv")
+        parser.error("give exactly one of a prompt or --dataset FILE")
     torch.set_grad_enabled(False)
     if args.dataset is not None:
         return _main_dataset(args)
@@ -85,7 +94,8 @@ def _main_dataset(args) -> int:
             model, tokenizer, args.dataset, layers=layers, steps=args.steps,
             estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
             batch_size=args.batch_size, out=args.out, resume=args.resume,
-            max_new_tokens=args.max_new_tokens)
+            max_new_tokens=args.max_new_tokens, prompt_column=args.prompt_column,
+            answer_column=args.answer_column, id_column=args.id_column)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -109,35 +109,103 @@ def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_ne
     return answers
 
 
-def read_items(items) -> "pd.DataFrame":
+DATASET_FORMATS = (".csv", ".tsv", ".json", ".jsonl", ".parquet")
+
+
+def _read_table(path: Path):
+    """The file at ``path`` as a DataFrame of its columns, read by its extension (see
+    :data:`DATASET_FORMATS`); text formats must be UTF-8. Every failure is a ValueError naming
+    the file."""
+    import io
+    import json
+    import pandas as pd
+    suffix = path.suffix.lower()
+    if suffix not in DATASET_FORMATS:
+        raise ValueError(f"dataset {str(path)!r}: unknown extension {path.suffix!r}, expected one of "
+                         f"{', '.join(DATASET_FORMATS)}")
+    if suffix == ".parquet":
+        try:
+            return pd.read_parquet(path)
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"dataset {str(path)!r} is not a readable parquet file: {err}") from None
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark is allowed
+    except UnicodeDecodeError as err:
+        raise ValueError(f"dataset {str(path)!r} is not UTF-8: byte {raw[err.start]:#04x} at offset "
+                         f"{err.start} (e.g. Latin-1); re-save it as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"dataset {str(path)!r} is empty")
+    if suffix in (".csv", ".tsv"):
+        try:
+            return pd.read_csv(io.StringIO(text), sep="," if suffix == ".csv" else "\t", dtype=str,
+                               keep_default_na=False)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+            raise ValueError(f"dataset {str(path)!r} is not valid {suffix[1:].upper()}: {err}") from None
+    try:
+        records = (json.loads(text) if suffix == ".json"
+                   else [json.loads(line) for line in text.splitlines() if line.strip()])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"dataset {str(path)!r} is not valid {'JSON' if suffix == '.json' else 'JSON Lines'}: "
+                         f"{err}") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        found = type(records).__name__ if not isinstance(records, list) else "a list holding non-objects"
+        raise ValueError(f"dataset {str(path)!r} must hold a list of records (JSON objects, one per "
+                         f"item{'' if suffix == '.json' else ', one per line'}), found {found}")
+    return pd.DataFrame.from_records(records)
+
+
+def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[str] = None,
+               id_column: Optional[str] = None) -> "pd.DataFrame":
     """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``.
 
+    The answer text is used exactly as given: it is tokenised on its own (no space added or
+    stripped) and appended to the prompt's tokens. With the chat template the answer starts the
+    assistant's turn, where a bare word (``Paris``) is the natural form; for raw-text prompts
+    (``chat=False``, ``--no-chat``) a continuation word usually needs its leading space
+    (`` Paris``), since ``"Paris"`` and ``" Paris"`` are different tokens. A fact file whose
+    object column lacks the space must add it itself if that is the continuation it means.
+
     Args:
-        items: a CSV path or a DataFrame with a ``prompt`` column, an optional ``answer`` column
-            (empty or NaN: the model's greedy answer) and an optional ``id`` column (default:
-            the row number). Other columns are ignored.
+        items: a path to a ``.csv``, ``.tsv``, ``.json`` (a list of records), ``.jsonl`` (one
+            record a line) or ``.parquet`` file (text files UTF-8), or a DataFrame / dict of
+            columns. It needs a prompt column; an answer column is optional (empty, null or NaN:
+            the model's greedy answer), and so is an id column (default: the row number).
+            Other columns are ignored.
+        prompt_column: the name of the prompt column.
+        answer_column: the name of the answer column; None: ``answer`` if there is one. A name
+            given must exist.
+        id_column: the name of the id column; None: ``id`` if there is one. A name given must exist.
 
     Returns:
         A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
         ``answer`` (str, or None for greedy).
 
     Raises:
-        ValueError: no ``prompt`` column, or repeated ids.
+        ValueError: an unknown extension, a file that is not UTF-8 or does not parse, a missing
+            column, no rows, or repeated ids; each names the file and what it found.
     """
     import pandas as pd
-    frame = (pd.read_csv(items, dtype=str, keep_default_na=False) if isinstance(items, (str, Path))
-             else pd.DataFrame(items))
-    if "prompt" not in frame.columns:
-        raise ValueError(f"the dataset needs a 'prompt' column, got columns {list(frame.columns)}")
-    ids = frame["id"] if "id" in frame.columns else pd.Series(range(len(frame)))
-    ids = [str(i) for i in ids]
+    source = f"dataset {str(items)!r}" if isinstance(items, (str, Path)) else "the dataset"
+    frame = _read_table(Path(items)) if isinstance(items, (str, Path)) else pd.DataFrame(items)
+    if len(frame) == 0:
+        raise ValueError(f"{source} has no rows (columns {list(frame.columns)})")
+    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column}
+    for role, column in named.items():
+        if column is not None and column not in frame.columns:
+            flag = f"--{role}-column / {role}_column="
+            raise ValueError(f"{source} needs {'an' if role == 'answer' else 'a'} {role} column {column!r} ({flag} names another), "
+                             f"got columns {list(frame.columns)}")
+    answer_column = answer_column or ("answer" if "answer" in frame.columns else None)
+    id_column = id_column or ("id" if "id" in frame.columns else None)
+    ids = [str(i) for i in (frame[id_column] if id_column else range(len(frame)))]
     repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
     if repeated:
         raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
-    answers = frame["answer"] if "answer" in frame.columns else [None] * len(frame)
+    answers = frame[answer_column] if answer_column else [None] * len(frame)
     blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
     return pd.DataFrame(dict(row=range(len(frame)), id=ids,
-                             prompt=["" if blank(p) else str(p) for p in frame["prompt"]],
+                             prompt=["" if blank(p) else str(p) for p in frame[prompt_column]],
                              answer=[None if blank(a) else str(a) for a in answers]))
 
 
@@ -227,7 +295,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                       baseline: Union[str, torch.Tensor] = "embedding", chat: bool = True,
                       batch_size: int = 16, out: Optional[Union[str, Path]] = None,
                       resume: bool = False, max_new_tokens: int = 32, progress: bool = True,
-                      readout: Optional[Readout] = None):
+                      readout: Optional[Readout] = None, prompt_column: str = "prompt",
+                      answer_column: Optional[str] = None, id_column: Optional[str] = None):
     """IG-Lens over a whole dataset: batched, written as it goes, resumable, split over ranks.
 
     Items are tokenised (errors recorded per row), sorted by length and taken ``batch_size`` at
@@ -251,7 +320,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
 
     Args:
         model, tokenizer: from :func:`load_model`.
-        items: CSV path or DataFrame, see :func:`read_items`.
+        items: a .csv, .tsv, .json, .jsonl or .parquet path, or a DataFrame, see :func:`read_items`
+            (also for how an answer without a leading space is tokenised).
         layers, steps, estimator, baseline: as in :func:`ig_lens` (``baseline``: a name or a
             (d,) tensor).
         chat: apply the chat template to each prompt.
@@ -261,6 +331,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
         readout: a :class:`Readout` to reuse.
+        prompt_column, answer_column, id_column: the input's column names, see :func:`read_items`.
 
     Returns:
         ``(results, errors)`` DataFrames. ``results``: one row per (item, answer token, segment)
@@ -280,7 +351,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if resume and out is None:
         raise ValueError("resume=True needs out= (the shards to resume from)")
-    table = read_items(items)
+    table = read_items(items, prompt_column=prompt_column, answer_column=answer_column,
+                       id_column=id_column)
     readout = readout or Readout(model)
     layers = check_layers(layers, readout.adapter.n_layers)  # fail before any item runs
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:

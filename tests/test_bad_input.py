@@ -155,7 +155,7 @@ def test_heatmap_token_count(setup):
 
 def test_bad_dataset(tmp_path, setup):
     model, _ = setup
-    with pytest.raises(ValueError, match=r"needs a 'prompt' column, got columns \['question'\]"):
+    with pytest.raises(ValueError, match=r"needs a prompt column 'prompt' .*got columns \['question'\]"):
         igd.attribute_dataset(model, None, {"question": ["Hi?"]})
     with pytest.raises(ValueError, match=r"ids must be unique, these repeat: \['a'\]"):
         igd.attribute_dataset(model, None, {"id": ["a", "a"], "prompt": ["x", "y"]})

@@ -246,3 +246,68 @@ def test_cli_html_per_item(tmp_path, model_dir, capsys):
         grid = rows.sort_values(["token_index", "segment"])
         want = grid["value"].to_numpy().reshape(grid["token_index"].nunique(), -1)
         np.testing.assert_allclose(np.array(data[0]["z"], dtype=float), want, rtol=1e-6, atol=1e-9)
+
+
+def _write(frame, path):
+    """``frame`` as the file ``path``, its format from the extension (the writers pandas has)."""
+    writers = {".csv": lambda: frame.to_csv(path, index=False),
+               ".tsv": lambda: frame.to_csv(path, sep="\t", index=False),
+               ".json": lambda: frame.to_json(path, orient="records", force_ascii=False),
+               ".jsonl": lambda: frame.to_json(path, orient="records", lines=True, force_ascii=False),
+               ".parquet": lambda: frame.to_parquet(path, index=False)}
+    writers[path.suffix]()
+    return path
+
+
+def test_every_format_and_renamed_columns_give_the_same_results(tmp_path, tokenizer):
+    """The same facts as CSV, TSV, JSON, JSON Lines and Parquet (one greedy answer, one prompt with
+    a tab, a comma and a quote, a non-ASCII answer), and with renamed columns: equal results."""
+    model = tiny_model("llama", seed=9, vocab_size=VOCAB)
+    facts = _facts(4)
+    facts.iloc[2, 1:] = ['Capital, "quoted",\tof Côte d\'Ivoire?', " Paris"]
+    facts.iloc[3, 2] = "Yamoussoukro, Côte d’Ivoire"
+    run = lambda items, **names: igd.attribute_dataset(model, tokenizer, items, layers=[2], steps=2,
+                                                       max_new_tokens=3, progress=False, **names)
+    want, errors = run(facts)
+    assert errors.empty and want["id"].nunique() == 4
+    for suffix in igd.DATASET_FORMATS:
+        got, errors = run(_write(facts, tmp_path / f"facts{suffix}"))
+        assert errors.empty, suffix
+        pd.testing.assert_frame_equal(got, want, obj=suffix)
+    renamed = facts.rename(columns=dict(prompt="question", answer="attribute", id="key"))
+    names = dict(prompt_column="question", answer_column="attribute", id_column="key")
+    for suffix in (".jsonl", ".parquet"):
+        got, _ = run(_write(renamed, tmp_path / f"renamed{suffix}"), **names)
+        pd.testing.assert_frame_equal(got, want, obj=suffix)
+
+
+def test_unreadable_dataset_files(tmp_path):
+    """Each bad file: a ValueError naming the file and what was found, before any model work."""
+    def raises(name, content, match, **names):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=re.escape(repr(str(path))) + ".*" + match):
+            igd.read_items(path, **names)
+
+    good = "id,prompt,answer\na,Capital of France?,Paris\n"
+    raises("facts.xlsx", good.encode(), r"unknown extension '\.xlsx', expected one of \.csv, \.tsv")
+    raises("latin1.csv", "id,prompt\na,Où est Orléans?\n".encode("latin-1"),
+           r"not UTF-8: byte 0xf9 at offset 13 \(e\.g\. Latin-1\)")
+    raises("header.csv", b"id,prompt,answer\n", r"has no rows \(columns \['id', 'prompt', 'answer'\]\)")
+    raises("empty.tsv", b"", "is empty")
+    raises("empty.json", b"[]", r"has no rows")
+    raises("columns.json", b'{"prompt": ["x"]}', r"list of records .* found dict")
+    raises("broken.jsonl", b'{"prompt": "x"}\n{"prompt": \n', "not valid JSON Lines")
+    raises("broken.parquet", b"not parquet", "not a readable parquet file")
+    raises("facts.csv", good.encode(), r"needs an answer column 'attribute' \(--answer-column / "
+           r"answer_column= names another\), got columns \['id', 'prompt', 'answer'\]",
+           answer_column="attribute")
+    raises("question.tsv", b"id\tquestion\na\tHi?\n", r"needs a prompt column 'prompt' .*\['id', 'question'\]")
+
+
+def test_cli_dataset_column_flags(tmp_path, model_dir, capsys):
+    path = _write(_facts(2).rename(columns=dict(prompt="question")), tmp_path / "facts.jsonl")
+    assert _run(model_dir, path, tmp_path / "r.parquet") == 2
+    assert "needs a prompt column 'prompt'" in capsys.readouterr().err
+    assert _run(model_dir, path, tmp_path / "r.parquet", "--prompt-column", "question") == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("2 items done, 0 failed")
