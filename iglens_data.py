@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -290,6 +291,15 @@ def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str):
     return frame
 
 
+def _check_dataset_baseline(baseline, d: int) -> None:
+    """Fail before the run on a baseline no item can use: a name outside :data:`BASELINES`, or a
+    tensor that is not one finite (d,) point (items differ in length, so no (T, d) form)."""
+    if not isinstance(baseline, str) and tuple(torch.as_tensor(baseline).shape) != (d,):
+        raise ValueError(f"a dataset's baseline tensor must have shape ({d},) (the model's hidden "
+                         f"size; one point for every item), got {tuple(torch.as_tensor(baseline).shape)}")
+    _baseline(baseline, SimpleNamespace(hidden=torch.zeros(1, 1, d)))  # names, finiteness: as ig_lens
+
+
 def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]] = None,
                       steps: int = 16, estimator: str = "prediction_aware",
                       baseline: Union[str, torch.Tensor] = "embedding", chat: bool = True,
@@ -322,11 +332,11 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         model, tokenizer: from :func:`load_model`.
         items: a .csv, .tsv, .json, .jsonl or .parquet path, or a DataFrame, see :func:`read_items`
             (also for how an answer without a leading space is tokenised).
-        layers, steps, estimator, baseline: as in :func:`ig_lens` (``baseline``: a name or a
-            (d,) tensor).
+        layers, steps, estimator, baseline: as in :func:`ig_lens` (``baseline``: a name of
+            :data:`BASELINES` or one (d,) tensor for every item, checked before the run).
         chat: apply the chat template to each prompt.
         batch_size: items per forward pass and per shard (>= 1).
-        out: the final ``.parquet`` file, or None to write nothing.
+        out: the final results file (must end in ``.parquet``), or None to write nothing.
         resume: skip the ids already in ``OUT.parts/``.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
@@ -351,6 +361,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if resume and out is None:
         raise ValueError("resume=True needs out= (the shards to resume from)")
+    if out is not None and Path(out).suffix != ".parquet":
+        raise ValueError(f"out must be a .parquet file (the results are written as parquet), got {str(out)!r}")
     table = read_items(items, prompt_column=prompt_column, answer_column=answer_column,
                        id_column=id_column)
     readout = readout or Readout(model)
@@ -360,6 +372,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     _check_steps(readout, steps, estimator, False)
+    _check_dataset_baseline(baseline, readout.hidden_size)
     rank, world = distributed_rank()
     parts = Path(str(out) + ".parts") if out is not None else None
     if parts is not None:
