@@ -9,6 +9,8 @@ line's ``--dataset`` calls it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
@@ -20,7 +22,7 @@ import torch
 
 from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_sequence, _check_steps,
                          _context_length, _prompt_ids, check_layers, collect_batch, encode, ig_lens,
-                         stop_token_ids)
+                         model_fingerprint, stop_token_ids)
 
 
 def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[int]] = None,
@@ -300,6 +302,55 @@ def _check_dataset_baseline(baseline, d: int) -> None:
     _baseline(baseline, SimpleNamespace(hidden=torch.zeros(1, 1, d)))  # names, finiteness: as ig_lens
 
 
+SETTINGS_FILE = "settings.json"  # in OUT.parts/: the settings the shards were made with
+
+
+def run_settings(model, *, layers: Sequence[int], **settings) -> dict:
+    """The settings that decide a dataset run's numbers, as JSON-ready values.
+
+    Args:
+        model: the model; recorded as its ``name_or_path`` and :func:`model_fingerprint`.
+        layers: the resolved segment end layers.
+        settings: the rest (``estimator``, ``baseline``, ``steps``, ...); a baseline tensor is
+            recorded as the SHA-256 of its float64 bytes.
+    """
+    baseline = settings.get("baseline")
+    if baseline is not None and not isinstance(baseline, str):
+        digest = hashlib.sha256(torch.as_tensor(baseline).double().cpu().numpy().tobytes()).hexdigest()
+        settings["baseline"] = f"tensor sha256:{digest[:16]}"
+    fingerprint = model_fingerprint(model)
+    return dict(model=str(getattr(model.config, "_name_or_path", "")), layers=[int(x) for x in layers],
+                **settings, fingerprint=None if fingerprint is None else fingerprint.tolist())
+
+
+def _check_settings(parts: Path, settings: dict) -> None:
+    """``resume``: the shards in ``parts`` must have been made with ``settings`` (the model's
+    fingerprint within 1e-2 relative, as :func:`check_same_model`; the rest exactly).
+
+    Raises:
+        ValueError: they differ (each difference listed), or shards exist without a record.
+    """
+    path = parts / SETTINGS_FILE
+    if not path.exists():
+        if any(parts.glob("*.parquet")):
+            raise ValueError(f"{parts} holds shards but no {SETTINGS_FILE} (the settings they were made "
+                             "with), so resuming could mix runs: run again without resume")
+        return
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    differ = [key for key in sorted(set(stored) | set(settings)) if key != "fingerprint"
+              and stored.get(key) != settings.get(key)]
+    old, new = stored.get("fingerprint"), settings.get("fingerprint")
+    if old is not None and new is not None and (len(old) != len(new) or not torch.allclose(
+            torch.tensor(old), torch.tensor(new), rtol=1e-2, atol=1e-8)):
+        differ.append("fingerprint")
+    if differ:
+        listed = "; ".join(f"{key}: {stored.get(key)!r} in the shards, {settings.get(key)!r} now"
+                           if key != "fingerprint" else "fingerprint: the model's weights differ"
+                           for key in differ)
+        raise ValueError(f"resume: the shards in {parts} were made with other settings ({listed}); "
+                         "resume with the same settings, or use another out= (or no resume)")
+
+
 def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]] = None,
                       steps: int = 16, estimator: str = "prediction_aware",
                       baseline: Union[str, torch.Tensor] = "embedding", chat: bool = True,
@@ -337,7 +388,10 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         chat: apply the chat template to each prompt.
         batch_size: items per forward pass and per shard (>= 1).
         out: the final results file (must end in ``.parquet``), or None to write nothing.
-        resume: skip the ids already in ``OUT.parts/``.
+        resume: skip the ids already in ``OUT.parts/``. The settings that decide the numbers
+            (:func:`run_settings`: model name and fingerprint, layers, estimator, baseline,
+            steps, chat, max_new_tokens) are kept in ``OUT.parts/settings.json``; resuming with
+            other ones raises ValueError listing what differs, and so do shards without it.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
         readout: a :class:`Readout` to reuse.
@@ -376,11 +430,18 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     rank, world = distributed_rank()
     parts = Path(str(out) + ".parts") if out is not None else None
     if parts is not None:
+        settings = run_settings(model, layers=layers, estimator=estimator, steps=steps,
+                                baseline=baseline, chat=bool(chat), max_new_tokens=max_new_tokens)
+        if resume and parts.is_dir():
+            _check_settings(parts, settings)  # every rank: all of them stop alike
         if rank == 0:
             parts.mkdir(parents=True, exist_ok=True)
             if not resume:
                 for old in parts.glob("*.parquet"):
                     old.unlink()
+            tmp = parts / f".{SETTINGS_FILE}.tmp"
+            tmp.write_text(json.dumps(settings, indent=1), encoding="utf-8")
+            os.replace(tmp, parts / SETTINGS_FILE)
         _barrier(world)
     done = set()
     if resume:

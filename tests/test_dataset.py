@@ -311,3 +311,30 @@ def test_cli_dataset_column_flags(tmp_path, model_dir, capsys):
     assert "needs a prompt column 'prompt'" in capsys.readouterr().err
     assert _run(model_dir, path, tmp_path / "r.parquet", "--prompt-column", "question") == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("2 items done, 0 failed")
+
+
+def test_resume_refuses_other_settings(tmp_path, tokenizer):
+    """Shards of one run are not mixed with another's: each difference is named, nothing is written."""
+    model = tiny_model("llama", seed=10, vocab_size=VOCAB)
+    facts, out = _facts(3).dropna(), tmp_path / "r.parquet"
+    run = lambda model, **more: igd.attribute_dataset(
+        model, tokenizer, facts, out=out, resume=True, progress=False, **{"layers": [2], "steps": 2, **more})
+    first, _ = run(model)
+    shards = sorted((tmp_path / "r.parquet.parts").iterdir())
+    again, _ = run(model)  # the same settings: a no-op
+    pd.testing.assert_frame_equal(again, first)
+    n, d = model.config.num_hidden_layers, model.config.hidden_size
+    cases = [(dict(layers=[1, 2]), rf"layers: \[2, {n}\] in the shards, \[1, 2, {n}\] now"),
+             (dict(steps=4, estimator="riemann_mid"),
+              r"estimator: 'prediction_aware' in the shards, 'riemann_mid' now; steps: 2 in the shards, 4 now"),
+             (dict(baseline=torch.zeros(d)), r"baseline: 'embedding' in the shards, 'tensor sha256:"),
+             (dict(chat=False), r"chat: True in the shards, False now")]
+    for more, match in cases:
+        with pytest.raises(ValueError, match=r"resume: the shards in .* were made with other settings .*" + match):
+            run(model, **more)
+    with pytest.raises(ValueError, match=r"fingerprint: the model's weights differ"):
+        run(tiny_model("llama", seed=11, vocab_size=VOCAB))  # same sizes, other weights
+    assert sorted((tmp_path / "r.parquet.parts").iterdir()) == shards
+    (tmp_path / "r.parquet.parts" / igd.SETTINGS_FILE).unlink()  # shards of an unknown run
+    with pytest.raises(ValueError, match=r"holds shards but no settings\.json"):
+        run(model)
