@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, Attribution, collect, encode, ig_lens,
+from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, Attribution, collect, encode, ig_lens,
                          load_model)
 from iglens_data import attribute_dataset
 from iglens_plot import _html_path, format_table, to_html
@@ -56,6 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=_positive_int, default=16)
     parser.add_argument("--estimator", default="prediction_aware", choices=ESTIMATORS)
     parser.add_argument("--baseline", default="embedding", choices=BASELINES)
+    parser.add_argument("--quantity", default="prob", choices=QUANTITIES,
+                        help="what is split: the answer token's probability or its log-probability (nats)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=32,
                         help="length limit of greedy answers (>= 1)")
@@ -70,6 +72,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="with --dataset: the answer column (default: 'answer' if present)")
     parser.add_argument("--id-column", default=None,
                         help="with --dataset: the id column (default: 'id' if present, else the row number)")
+    parser.add_argument("--foil-column", default=None,
+                        help="with --dataset: a column of one-token foils (e.g. ' Lyon'; empty: none); "
+                             "an item with one splits f(answer) - f(foil) (default: 'foil' if present)")
     parser.add_argument("--out", default=None, metavar="OUT.parquet",
                         help="with --dataset (required there): the results file; the errors go to "
                              "OUT.errors.parquet and the shards to OUT.parquet.parts/")
@@ -94,9 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
         trace = collect(model, input_ids, prompt_len, sublayer=html_path is not None)
         attribution = ig_lens(model, trace, layers=args.layers, baseline=args.baseline,
-                              steps=args.steps, estimator=args.estimator)
+                              steps=args.steps, estimator=args.estimator, quantity=args.quantity)
         sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
-                            estimator=args.estimator, resolution="sublayer")
+                            estimator=args.estimator, resolution="sublayer", quantity=args.quantity)
                     if html_path is not None else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -123,7 +128,8 @@ def _main_dataset(args) -> int:
             estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
             batch_size=args.batch_size, out=args.out, resume=args.resume,
             max_new_tokens=args.max_new_tokens, prompt_column=args.prompt_column,
-            answer_column=args.answer_column, id_column=args.id_column)
+            answer_column=args.answer_column, id_column=args.id_column, quantity=args.quantity,
+            foil_column=args.foil_column)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

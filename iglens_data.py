@@ -20,15 +20,16 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_sequence, _check_steps,
-                         _context_length, _prompt_ids, check_layers, collect_batch, encode, ig_lens,
+from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_quantity, _check_sequence,
+                         _check_steps, _context_length, check_foil, _prompt_ids, check_layers, collect_batch, encode, ig_lens,
                          model_fingerprint, stop_token_ids)
 
 
 def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[int]] = None,
                   baseline: Union[str, torch.Tensor] = "embedding", steps: int = 16,
                   estimator: str = "prediction_aware", profile: bool = False,
-                  readout: Optional[Readout] = None) -> list[Attribution]:
+                  readout: Optional[Readout] = None, quantity: str = "prob",
+                  foils: Optional[Sequence] = None) -> list[Attribution]:
     """:func:`ig_lens` of many traces in one pass; the same attributions, one per trace.
 
     The traces' tokens are joined along ``T`` (the head-once readout treats every point on its
@@ -38,13 +39,21 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
     Args:
         traces: from :func:`collect` / :func:`collect_batch`, same model.
         baseline: a name of :data:`BASELINES` (``"mean"`` is each trace's own mean) or a (d,) tensor.
-        layers, steps, estimator, profile, readout: as in :func:`ig_lens` (layer resolution).
+        layers, steps, estimator, profile, readout, quantity: as in :func:`ig_lens` (layer resolution).
+        foils: None, or one foil per trace (a token id or that trace's (T_i,) ids), as
+            ``foil`` of :func:`ig_lens`.
 
     Returns:
         One :class:`Attribution` per trace, in order.
     """
     if not traces:
         return []
+    readout = readout or Readout(model)
+    if foils is not None:
+        if len(foils) != len(traces) or any(foil is None for foil in foils):
+            raise ValueError(f"foils must hold one foil per trace ({len(traces)}), none of them None")
+        foils = torch.cat([check_foil(foil, trace.targets, readout.vocab_size)
+                           for foil, trace in zip(foils, traces)])
     if isinstance(baseline, str) and baseline == "mean":  # per trace, then joined: (sum T, d)
         baseline_name = "mean"
         baseline = torch.cat([_baseline("mean", trace)[0] for trace in traces])
@@ -58,7 +67,7 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
                    torch.cat([trace.model_probs for trace in traces]),
                    model_fingerprint=traces[0].model_fingerprint)
     whole = ig_lens(model, joined, layers=layers, baseline=baseline, steps=steps,
-                    estimator=estimator, profile=profile, readout=readout)
+                    estimator=estimator, profile=profile, readout=readout, quantity=quantity, foil=foils)
     parts, start = [], 0
     for size in sizes:
         cut = slice(start, start + size)
@@ -159,8 +168,8 @@ def _read_table(path: Path):
 
 
 def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[str] = None,
-               id_column: Optional[str] = None) -> "pd.DataFrame":
-    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``.
+               id_column: Optional[str] = None, foil_column: Optional[str] = None) -> "pd.DataFrame":
+    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``, ``foil``.
 
     The answer text is used exactly as given: it is tokenised on its own (no space added or
     stripped) and appended to the prompt's tokens. With the chat template the answer starts the
@@ -179,10 +188,12 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
         answer_column: the name of the answer column; None: ``answer`` if there is one. A name
             given must exist.
         id_column: the name of the id column; None: ``id`` if there is one. A name given must exist.
+        foil_column: the name of an optional foil column (one token's text, e.g. `` Lyon``;
+            empty: no foil); None: ``foil`` if there is one. A name given must exist.
 
     Returns:
         A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
-        ``answer`` (str, or None for greedy).
+        ``answer`` (str, or None for greedy), ``foil`` (str, or None).
 
     Raises:
         ValueError: an unknown extension, a file that is not UTF-8 or does not parse, a missing
@@ -193,7 +204,7 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
     frame = _read_table(Path(items)) if isinstance(items, (str, Path)) else pd.DataFrame(items)
     if len(frame) == 0:
         raise ValueError(f"{source} has no rows (columns {list(frame.columns)})")
-    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column}
+    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column, "foil": foil_column}
     for role, column in named.items():
         if column is not None and column not in frame.columns:
             flag = f"--{role}-column / {role}_column="
@@ -205,11 +216,14 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
     repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
     if repeated:
         raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
+    foil_column = foil_column or ("foil" if "foil" in frame.columns else None)
     answers = frame[answer_column] if answer_column else [None] * len(frame)
+    foils = frame[foil_column] if foil_column else [None] * len(frame)
     blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
     return pd.DataFrame(dict(row=range(len(frame)), id=ids,
                              prompt=["" if blank(p) else str(p) for p in frame[prompt_column]],
-                             answer=[None if blank(a) else str(a) for a in answers]))
+                             answer=[None if blank(a) else str(a) for a in answers],
+                             foil=[None if blank(f) else str(f) for f in foils]))
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -281,15 +295,17 @@ def _merge_shards(parts: Path, out: Path):
 
 _RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "layer", "label",
                    "value", "lens_start", "lens_end", "p_base", "p_final", "delta_p", "onset",
-                   "residual", "shard"]
+                   "residual", "quantity", "foil", "shard"]
 
 
-def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str):
+def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foil: Optional[str]):
     frame = attribution.to_frame(tokenizer)
     frame.insert(0, "id", item_id)
     frame.insert(0, "row", row)
     frame["delta_p"] = frame["p_final"] - frame["p_base"]
     frame["residual"] = attribution.residual
+    frame["quantity"] = attribution.quantity
+    frame["foil"] = foil
     return frame
 
 
@@ -357,7 +373,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                       batch_size: int = 16, out: Optional[Union[str, Path]] = None,
                       resume: bool = False, max_new_tokens: int = 32, progress: bool = True,
                       readout: Optional[Readout] = None, prompt_column: str = "prompt",
-                      answer_column: Optional[str] = None, id_column: Optional[str] = None):
+                      answer_column: Optional[str] = None, id_column: Optional[str] = None,
+                      quantity: str = "prob", foil_column: Optional[str] = None):
     """IG-Lens over a whole dataset: batched, written as it goes, resumable, split over ranks.
 
     Items are tokenised (errors recorded per row), sorted by length and taken ``batch_size`` at
@@ -395,14 +412,20 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
         readout: a :class:`Readout` to reuse.
-        prompt_column, answer_column, id_column: the input's column names, see :func:`read_items`.
+        prompt_column, answer_column, id_column, foil_column: the input's column names, see
+            :func:`read_items`.
+        quantity: ``"prob"`` or ``"logprob"``, as in :func:`ig_lens`. An item with a foil (one
+            token's text) splits ``f(y) - f(foil)`` at each of its answer tokens; a foil that is
+            not one token, or equals an answer token, makes that item an error row.
 
     Returns:
         ``(results, errors)`` DataFrames. ``results``: one row per (item, answer token, segment)
         with ``row`` (input row), ``id``, ``token_index``, ``position``, ``token``, ``segment``
         (index j), ``layer`` (its end layer), ``label``, ``value`` (probability credited),
         ``lens_start``, ``lens_end`` (f at the segment's ends), ``p_base``, ``p_final``,
-        ``delta_p``, ``onset`` (layer) and ``residual`` (the item's max |sum - Δp|).
+        ``delta_p``, ``onset`` (layer), ``residual`` (the item's max |sum - Δp|), ``quantity`` and
+        ``foil`` (the foil's text or None); with ``"logprob"`` or a foil, ``value``, ``lens_*``,
+        ``p_*`` and ``delta_p`` are that f (nats for log-probabilities), not probabilities.
         ``errors``: ``row``, ``id``, ``error``. With ``out`` and several ranks, rank 0 returns
         the merged tables, other ranks their own part. ``results.attrs`` holds ``items_run``
         (items attempted in this call, not skipped by ``resume``; on rank 0 with ``out``: by
@@ -418,7 +441,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     if out is not None and Path(out).suffix != ".parquet":
         raise ValueError(f"out must be a .parquet file (the results are written as parquet), got {str(out)!r}")
     table = read_items(items, prompt_column=prompt_column, answer_column=answer_column,
-                       id_column=id_column)
+                       id_column=id_column, foil_column=foil_column)
+    _check_quantity(quantity)
     readout = readout or Readout(model)
     layers = check_layers(layers, readout.adapter.n_layers)  # fail before any item runs
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
@@ -431,7 +455,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     parts = Path(str(out) + ".parts") if out is not None else None
     if parts is not None:
         settings = run_settings(model, layers=layers, estimator=estimator, steps=steps,
-                                baseline=baseline, chat=bool(chat), max_new_tokens=max_new_tokens)
+                                baseline=baseline, chat=bool(chat), max_new_tokens=max_new_tokens,
+                                quantity=quantity)
         if resume and parts.is_dir():
             _check_settings(parts, settings)  # every rank: all of them stop alike
         if rank == 0:
@@ -464,9 +489,14 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
             _write_shard(results.assign(shard=stem), parts / f"{stem}.results.parquet")
 
     # 1. tokenise; rows that cannot run are errors at once
-    sequences, errors = {}, []  # row -> (prompt ids, answer ids or None)
+    sequences, errors, foil_ids = {}, [], {}  # row -> (prompt ids, answer ids or None); row -> foil id
     for item in mine.itertuples():
         try:
+            if item.foil is not None:
+                foil = tokenizer(item.foil, add_special_tokens=False)["input_ids"]
+                if len(foil) != 1:
+                    raise ValueError(f"foil {item.foil!r} must be one token, it tokenises to {len(foil)}")
+                foil_ids[item.row] = foil[0]
             if not item.prompt.strip():
                 raise ValueError(f"prompt must be a non-empty string, got {item.prompt!r}")
             if item.answer is None:
@@ -483,13 +513,18 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     n_failed = len(errors)
 
     # 2. batches of similar length: greedy answers, one forward pass, one readout pass
-    def attribute(rows, full):
-        traces = collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
-                                       for r in rows], batch_size=batch_size)
-        return ig_lens_batch(model, traces, layers=layers, baseline=baseline, steps=steps,
-                             estimator=estimator, readout=readout)
+    def attribute(rows, full):  # items with a foil and without go in separate passes; input order
+        traces = dict(zip(rows, collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
+                                                      for r in rows], batch_size=batch_size)))
+        done = {}
+        for group in ([r for r in rows if r not in foil_ids], [r for r in rows if r in foil_ids]):
+            done.update(zip(group, ig_lens_batch(
+                model, [traces[r] for r in group], layers=layers, baseline=baseline, steps=steps,
+                estimator=estimator, readout=readout, quantity=quantity,
+                foils=[foil_ids[r] for r in group] if group and group[0] in foil_ids else None)))
+        return [done[r] for r in rows]
 
-    ids_of = dict(zip(table["row"], table["id"]))
+    ids_of, foils_of = dict(zip(table["row"], table["id"])), dict(zip(table["row"], table["foil"]))
     order = sorted(sequences, key=lambda r: len(sequences[r][0]) + len(sequences[r][1] or ()))
     bar = tqdm(total=len(mine), desc="IG-Lens dataset", leave=False,
                **({} if progress else dict(disable=True)))  # TQDM_DISABLE applies otherwise
@@ -514,7 +549,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                 except ValueError as err:
                     batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
             runnable = [r for r in runnable if r not in {e["row"] for e in batch_errors}]
-        frames = [_item_frame(a, tokenizer, r, ids_of[r]) for r, a in zip(runnable, attributions)]
+        frames = [_item_frame(a, tokenizer, r, ids_of[r], foils_of[r]) for r, a in zip(runnable, attributions)]
         record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_RESULT_COLUMNS[:-1]),
                pd.DataFrame(batch_errors, columns=["row", "id", "error"]))
         n_failed += len(batch_errors)

@@ -309,8 +309,11 @@ def test_cli_dataset_column_flags(tmp_path, model_dir, capsys):
     path = _write(_facts(2).rename(columns=dict(prompt="question")), tmp_path / "facts.jsonl")
     assert _run(model_dir, path, tmp_path / "r.parquet") == 2
     assert "needs a prompt column 'prompt'" in capsys.readouterr().err
-    assert _run(model_dir, path, tmp_path / "r.parquet", "--prompt-column", "question") == 0
+    assert _run(model_dir, path, tmp_path / "r.parquet", "--prompt-column", "question",
+                "--quantity", "logprob") == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("2 items done, 0 failed")
+    results = pd.read_parquet(tmp_path / "r.parquet")
+    assert (results["quantity"] == "logprob").all() and (results["p_final"] <= 0).all()
 
 
 def test_resume_refuses_other_settings(tmp_path, tokenizer):
@@ -328,7 +331,8 @@ def test_resume_refuses_other_settings(tmp_path, tokenizer):
              (dict(steps=4, estimator="riemann_mid"),
               r"estimator: 'prediction_aware' in the shards, 'riemann_mid' now; steps: 2 in the shards, 4 now"),
              (dict(baseline=torch.zeros(d)), r"baseline: 'embedding' in the shards, 'tensor sha256:"),
-             (dict(chat=False), r"chat: True in the shards, False now")]
+             (dict(chat=False), r"chat: True in the shards, False now"),
+             (dict(quantity="logprob"), r"quantity: 'prob' in the shards, 'logprob' now")]
     for more, match in cases:
         with pytest.raises(ValueError, match=r"resume: the shards in .* were made with other settings .*" + match):
             run(model, **more)
@@ -338,3 +342,35 @@ def test_resume_refuses_other_settings(tmp_path, tokenizer):
     (tmp_path / "r.parquet.parts" / igd.SETTINGS_FILE).unlink()  # shards of an unknown run
     with pytest.raises(ValueError, match=r"holds shards but no settings\.json"):
         run(model)
+
+
+@pytest.mark.parametrize("quantity", ["prob", "logprob"])
+def test_quantity_and_foils_equal_per_item(tokenizer, quantity):
+    """Items with and without a foil in one batch: each equals ig_lens(quantity=, foil=) alone, and the
+    f difference is the model's own; a foil of two tokens, or equal to the answer, is an error row."""
+    model = tiny_model("llama", seed=12, vocab_size=VOCAB)
+    facts = _facts(5).dropna().reset_index(drop=True)
+    facts["foil"] = [" Lyon", None, " Paris and Lyon", "", None][:len(facts)]
+    first = tokenizer.decode(ig.encode(tokenizer, facts["prompt"][3], facts["answer"][3])[0][0, -len(
+        tokenizer(facts["answer"][3], add_special_tokens=False)["input_ids"])].item())
+    facts.loc[3, "foil"] = first  # the answer's first token
+    results, errors = igd.attribute_dataset(model, tokenizer, facts, layers=[2], steps=3, batch_size=4,
+                                           quantity=quantity, progress=False)
+    assert set(errors["id"]) == {facts["id"][2], facts["id"][3]}
+    assert "must be one token, it tokenises to" in errors.set_index("id")["error"][facts["id"][2]]
+    assert "the foil equals the target" in errors.set_index("id")["error"][facts["id"][3]]
+    assert (results["quantity"] == quantity).all()
+    for item in facts.drop([2, 3]).itertuples():
+        ids, prompt_len = ig.encode(tokenizer, item.prompt, item.answer)
+        foil = tokenizer(item.foil, add_special_tokens=False)["input_ids"][0] if item.foil else None
+        want = ig.ig_lens(model, ig.collect(model, ids, prompt_len), layers=[2], steps=3,
+                          quantity=quantity, foil=foil)
+        got = results[results["id"] == item.id]
+        assert (got["foil"].isna() if foil is None else got["foil"] == item.foil).all()
+        torch.testing.assert_close(torch.tensor(got["value"].to_numpy()).view(-1, 2), want.values.double(),
+                                   atol=2e-6, rtol=1e-5)
+        with torch.no_grad():  # f at the last layer from the model's own logits, independently
+            logp = torch.log_softmax(model(ids).logits[0, prompt_len - 1:-1].double(), -1)
+        f = logp if quantity == "logprob" else logp.exp()
+        own = f.gather(-1, ids[0, prompt_len:, None])[:, 0] - (f[:, foil] if foil is not None else 0)
+        torch.testing.assert_close(torch.tensor(got["p_final"].to_numpy()[::2]), own, atol=2e-6, rtol=1e-5)
