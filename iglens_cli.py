@@ -15,10 +15,33 @@ from typing import Optional, Sequence
 
 import torch
 
-from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, Attribution, collect, encode, ig_lens,
+from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, Attribution, collect, encode, ig_lens,
                          load_model)
 from iglens_data import attribute_dataset
 from iglens_plot import _html_path, format_table, to_html
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _layer_list(text: str) -> list[int]:
+    """argparse type of ``--layers``: comma-separated integers, e.g. ``5,10,20``. Their range
+    (1..n, strictly increasing) is checked by :func:`iglens_core.check_layers` once the model's
+    n is known."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers in 1..n (segment end layers, n = the model's "
+            f"number of blocks), e.g. 5,10,20, got {text!r}") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -27,38 +50,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("prompt", nargs="?", help="the question or text (or use --dataset)")
     parser.add_argument("--answer", default=None, help="teacher-forced answer (default: greedy)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, local dir or HF id")
-    parser.add_argument("--layers", default=None,
-                        help="comma-separated segment end layers, e.g. 5,10,20 (default: all)")
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--layers", default=None, type=_layer_list,
+                        help="comma-separated segment end layers in 1..n, strictly increasing, "
+                             "e.g. 5,10,20 (default: all)")
+    parser.add_argument("--steps", type=_positive_int, default=16)
     parser.add_argument("--estimator", default="prediction_aware", choices=ESTIMATORS)
     parser.add_argument("--baseline", default="embedding", choices=BASELINES)
+    parser.add_argument("--quantity", default="prob", choices=QUANTITIES,
+                        help="what is split: the answer token's probability or its log-probability (nats)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--dataset", default=None,
-                        help="CSV with a prompt column (optional answer, id): attribute every row")
-    parser.add_argument("--out", default=None, help="with --dataset: the results .parquet file")
-    parser.add_argument("--batch-size", type=int, default=16, help="with --dataset: items per batch")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=32,
+                        help="length limit of greedy answers (>= 1)")
+    parser.add_argument("--dataset", default=None, metavar="FILE",
+                        help="attribute every row of a .csv, .tsv, .json (list of records), .jsonl or "
+                             ".parquet file (UTF-8) with a prompt column and optional answer and id "
+                             "columns; an empty answer: the greedy one. The answer is tokenised as "
+                             "given: with --no-chat a continuation word needs its leading space "
+                             "(' Paris', not 'Paris')")
+    parser.add_argument("--prompt-column", default="prompt", help="with --dataset: the prompt column")
+    parser.add_argument("--answer-column", default=None,
+                        help="with --dataset: the answer column (default: 'answer' if present)")
+    parser.add_argument("--id-column", default=None,
+                        help="with --dataset: the id column (default: 'id' if present, else the row number)")
+    parser.add_argument("--foil-column", default=None,
+                        help="with --dataset: a column of one-token foils (e.g. ' Lyon'; empty: none); "
+                             "an item with one splits f(answer) - f(foil) (default: 'foil' if present)")
+    parser.add_argument("--out", default=None, metavar="OUT.parquet",
+                        help="with --dataset (required there): the results file; the errors go to "
+                             "OUT.errors.parquet and the shards to OUT.parquet.parts/")
+    parser.add_argument("--batch-size", type=_positive_int, default=16,
+                        help="with --dataset: items per batch")
     parser.add_argument("--resume", action="store_true", help="with --dataset: skip ids in OUT.parts/")
     parser.add_argument("--html", default=None, metavar="OUT.html",
                         help="also write the interactive view (layer and sublayer) to this file; "
                              "with --dataset a folder: one view per item, ID.html")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.dataset is None):
-        parser.error("give exactly one of a prompt or --dataset FILE.csv")
+        parser.error("give exactly one of a prompt or --dataset FILE")
+    if args.dataset is not None and args.out is None:
+        parser.error("--dataset needs --out OUT.parquet (where the results are written)")
     torch.set_grad_enabled(False)
     if args.dataset is not None:
         return _main_dataset(args)
     try:
         html_path = _html_path(args.html) if args.html else None  # a bad path fails before the work
         model, tokenizer = load_model(args.model)
-        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
         input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
                                        chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
         trace = collect(model, input_ids, prompt_len, sublayer=html_path is not None)
-        attribution = ig_lens(model, trace, layers=layers, baseline=args.baseline,
-                              steps=args.steps, estimator=args.estimator)
+        attribution = ig_lens(model, trace, layers=args.layers, baseline=args.baseline,
+                              steps=args.steps, estimator=args.estimator, quantity=args.quantity)
         sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
-                            estimator=args.estimator, resolution="sublayer")
+                            estimator=args.estimator, resolution="sublayer", quantity=args.quantity)
                     if html_path is not None else None)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -80,12 +123,13 @@ def _main_dataset(args) -> int:
         if args.html and not Path(args.html).is_dir():
             raise ValueError(f"with --dataset, --html names an existing folder, got {args.html!r}")
         model, tokenizer = load_model(args.model, device=device)
-        layers = [int(x) for x in args.layers.split(",")] if args.layers else None
         results, errors = attribute_dataset(
-            model, tokenizer, args.dataset, layers=layers, steps=args.steps,
+            model, tokenizer, args.dataset, layers=args.layers, steps=args.steps,
             estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
             batch_size=args.batch_size, out=args.out, resume=args.resume,
-            max_new_tokens=args.max_new_tokens)
+            max_new_tokens=args.max_new_tokens, prompt_column=args.prompt_column,
+            answer_column=args.answer_column, id_column=args.id_column, quantity=args.quantity,
+            foil_column=args.foil_column)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

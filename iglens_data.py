@@ -9,23 +9,27 @@ line's ``--dataset`` calls it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_sequence, _check_steps,
-                         _context_length, _prompt_ids, check_layers, collect_batch, encode, ig_lens,
-                         stop_token_ids)
+from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_quantity, _check_sequence,
+                         _check_steps, _context_length, check_foil, _prompt_ids, check_layers, collect_batch, encode, ig_lens,
+                         model_fingerprint, stop_token_ids)
 
 
 def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[int]] = None,
                   baseline: Union[str, torch.Tensor] = "embedding", steps: int = 16,
                   estimator: str = "prediction_aware", profile: bool = False,
-                  readout: Optional[Readout] = None) -> list[Attribution]:
+                  readout: Optional[Readout] = None, quantity: str = "prob",
+                  foils: Optional[Sequence] = None) -> list[Attribution]:
     """:func:`ig_lens` of many traces in one pass; the same attributions, one per trace.
 
     The traces' tokens are joined along ``T`` (the head-once readout treats every point on its
@@ -35,13 +39,21 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
     Args:
         traces: from :func:`collect` / :func:`collect_batch`, same model.
         baseline: a name of :data:`BASELINES` (``"mean"`` is each trace's own mean) or a (d,) tensor.
-        layers, steps, estimator, profile, readout: as in :func:`ig_lens` (layer resolution).
+        layers, steps, estimator, profile, readout, quantity: as in :func:`ig_lens` (layer resolution).
+        foils: None, or one foil per trace (a token id or that trace's (T_i,) ids), as
+            ``foil`` of :func:`ig_lens`.
 
     Returns:
         One :class:`Attribution` per trace, in order.
     """
     if not traces:
         return []
+    readout = readout or Readout(model)
+    if foils is not None:
+        if len(foils) != len(traces) or any(foil is None for foil in foils):
+            raise ValueError(f"foils must hold one foil per trace ({len(traces)}), none of them None")
+        foils = torch.cat([check_foil(foil, trace.targets, readout.vocab_size)
+                           for foil, trace in zip(foils, traces)])
     if isinstance(baseline, str) and baseline == "mean":  # per trace, then joined: (sum T, d)
         baseline_name = "mean"
         baseline = torch.cat([_baseline("mean", trace)[0] for trace in traces])
@@ -55,7 +67,7 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
                    torch.cat([trace.model_probs for trace in traces]),
                    model_fingerprint=traces[0].model_fingerprint)
     whole = ig_lens(model, joined, layers=layers, baseline=baseline, steps=steps,
-                    estimator=estimator, profile=profile, readout=readout)
+                    estimator=estimator, profile=profile, readout=readout, quantity=quantity, foil=foils)
     parts, start = [], 0
     for size in sizes:
         cut = slice(start, start + size)
@@ -109,36 +121,109 @@ def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_ne
     return answers
 
 
-def read_items(items) -> "pd.DataFrame":
-    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``.
+DATASET_FORMATS = (".csv", ".tsv", ".json", ".jsonl", ".parquet")
+
+
+def _read_table(path: Path):
+    """The file at ``path`` as a DataFrame of its columns, read by its extension (see
+    :data:`DATASET_FORMATS`); text formats must be UTF-8. Every failure is a ValueError naming
+    the file."""
+    import io
+    import json
+    import pandas as pd
+    suffix = path.suffix.lower()
+    if suffix not in DATASET_FORMATS:
+        raise ValueError(f"dataset {str(path)!r}: unknown extension {path.suffix!r}, expected one of "
+                         f"{', '.join(DATASET_FORMATS)}")
+    if suffix == ".parquet":
+        try:
+            return pd.read_parquet(path)
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"dataset {str(path)!r} is not a readable parquet file: {err}") from None
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark is allowed
+    except UnicodeDecodeError as err:
+        raise ValueError(f"dataset {str(path)!r} is not UTF-8: byte {raw[err.start]:#04x} at offset "
+                         f"{err.start} (e.g. Latin-1); re-save it as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"dataset {str(path)!r} is empty")
+    if suffix in (".csv", ".tsv"):
+        try:
+            return pd.read_csv(io.StringIO(text), sep="," if suffix == ".csv" else "\t", dtype=str,
+                               keep_default_na=False)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+            raise ValueError(f"dataset {str(path)!r} is not valid {suffix[1:].upper()}: {err}") from None
+    try:
+        records = (json.loads(text) if suffix == ".json"
+                   else [json.loads(line) for line in text.splitlines() if line.strip()])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"dataset {str(path)!r} is not valid {'JSON' if suffix == '.json' else 'JSON Lines'}: "
+                         f"{err}") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        found = type(records).__name__ if not isinstance(records, list) else "a list holding non-objects"
+        raise ValueError(f"dataset {str(path)!r} must hold a list of records (JSON objects, one per "
+                         f"item{'' if suffix == '.json' else ', one per line'}), found {found}")
+    return pd.DataFrame.from_records(records)
+
+
+def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[str] = None,
+               id_column: Optional[str] = None, foil_column: Optional[str] = None) -> "pd.DataFrame":
+    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``, ``foil``.
+
+    The answer text is used exactly as given: it is tokenised on its own (no space added or
+    stripped) and appended to the prompt's tokens. With the chat template the answer starts the
+    assistant's turn, where a bare word (``Paris``) is the natural form; for raw-text prompts
+    (``chat=False``, ``--no-chat``) a continuation word usually needs its leading space
+    (`` Paris``), since ``"Paris"`` and ``" Paris"`` are different tokens. A fact file whose
+    object column lacks the space must add it itself if that is the continuation it means.
 
     Args:
-        items: a CSV path or a DataFrame with a ``prompt`` column, an optional ``answer`` column
-            (empty or NaN: the model's greedy answer) and an optional ``id`` column (default:
-            the row number). Other columns are ignored.
+        items: a path to a ``.csv``, ``.tsv``, ``.json`` (a list of records), ``.jsonl`` (one
+            record a line) or ``.parquet`` file (text files UTF-8), or a DataFrame / dict of
+            columns. It needs a prompt column; an answer column is optional (empty, null or NaN:
+            the model's greedy answer), and so is an id column (default: the row number).
+            Other columns are ignored.
+        prompt_column: the name of the prompt column.
+        answer_column: the name of the answer column; None: ``answer`` if there is one. A name
+            given must exist.
+        id_column: the name of the id column; None: ``id`` if there is one. A name given must exist.
+        foil_column: the name of an optional foil column (one token's text, e.g. `` Lyon``;
+            empty: no foil); None: ``foil`` if there is one. A name given must exist.
 
     Returns:
         A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
-        ``answer`` (str, or None for greedy).
+        ``answer`` (str, or None for greedy), ``foil`` (str, or None).
 
     Raises:
-        ValueError: no ``prompt`` column, or repeated ids.
+        ValueError: an unknown extension, a file that is not UTF-8 or does not parse, a missing
+            column, no rows, or repeated ids; each names the file and what it found.
     """
     import pandas as pd
-    frame = (pd.read_csv(items, dtype=str, keep_default_na=False) if isinstance(items, (str, Path))
-             else pd.DataFrame(items))
-    if "prompt" not in frame.columns:
-        raise ValueError(f"the dataset needs a 'prompt' column, got columns {list(frame.columns)}")
-    ids = frame["id"] if "id" in frame.columns else pd.Series(range(len(frame)))
-    ids = [str(i) for i in ids]
+    source = f"dataset {str(items)!r}" if isinstance(items, (str, Path)) else "the dataset"
+    frame = _read_table(Path(items)) if isinstance(items, (str, Path)) else pd.DataFrame(items)
+    if len(frame) == 0:
+        raise ValueError(f"{source} has no rows (columns {list(frame.columns)})")
+    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column, "foil": foil_column}
+    for role, column in named.items():
+        if column is not None and column not in frame.columns:
+            flag = f"--{role}-column / {role}_column="
+            raise ValueError(f"{source} needs {'an' if role == 'answer' else 'a'} {role} column {column!r} ({flag} names another), "
+                             f"got columns {list(frame.columns)}")
+    answer_column = answer_column or ("answer" if "answer" in frame.columns else None)
+    id_column = id_column or ("id" if "id" in frame.columns else None)
+    ids = [str(i) for i in (frame[id_column] if id_column else range(len(frame)))]
     repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
     if repeated:
         raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
-    answers = frame["answer"] if "answer" in frame.columns else [None] * len(frame)
+    foil_column = foil_column or ("foil" if "foil" in frame.columns else None)
+    answers = frame[answer_column] if answer_column else [None] * len(frame)
+    foils = frame[foil_column] if foil_column else [None] * len(frame)
     blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
     return pd.DataFrame(dict(row=range(len(frame)), id=ids,
-                             prompt=["" if blank(p) else str(p) for p in frame["prompt"]],
-                             answer=[None if blank(a) else str(a) for a in answers]))
+                             prompt=["" if blank(p) else str(p) for p in frame[prompt_column]],
+                             answer=[None if blank(a) else str(a) for a in answers],
+                             foil=[None if blank(f) else str(f) for f in foils]))
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -210,16 +295,76 @@ def _merge_shards(parts: Path, out: Path):
 
 _RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "layer", "label",
                    "value", "lens_start", "lens_end", "p_base", "p_final", "delta_p", "onset",
-                   "residual", "shard"]
+                   "residual", "quantity", "foil", "shard"]
 
 
-def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str):
+def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foil: Optional[str]):
     frame = attribution.to_frame(tokenizer)
     frame.insert(0, "id", item_id)
     frame.insert(0, "row", row)
     frame["delta_p"] = frame["p_final"] - frame["p_base"]
     frame["residual"] = attribution.residual
+    frame["quantity"] = attribution.quantity
+    frame["foil"] = foil
     return frame
+
+
+def _check_dataset_baseline(baseline, d: int) -> None:
+    """Fail before the run on a baseline no item can use: a name outside :data:`BASELINES`, or a
+    tensor that is not one finite (d,) point (items differ in length, so no (T, d) form)."""
+    if not isinstance(baseline, str) and tuple(torch.as_tensor(baseline).shape) != (d,):
+        raise ValueError(f"a dataset's baseline tensor must have shape ({d},) (the model's hidden "
+                         f"size; one point for every item), got {tuple(torch.as_tensor(baseline).shape)}")
+    _baseline(baseline, SimpleNamespace(hidden=torch.zeros(1, 1, d)))  # names, finiteness: as ig_lens
+
+
+SETTINGS_FILE = "settings.json"  # in OUT.parts/: the settings the shards were made with
+
+
+def run_settings(model, *, layers: Sequence[int], **settings) -> dict:
+    """The settings that decide a dataset run's numbers, as JSON-ready values.
+
+    Args:
+        model: the model; recorded as its ``name_or_path`` and :func:`model_fingerprint`.
+        layers: the resolved segment end layers.
+        settings: the rest (``estimator``, ``baseline``, ``steps``, ...); a baseline tensor is
+            recorded as the SHA-256 of its float64 bytes.
+    """
+    baseline = settings.get("baseline")
+    if baseline is not None and not isinstance(baseline, str):
+        digest = hashlib.sha256(torch.as_tensor(baseline).double().cpu().numpy().tobytes()).hexdigest()
+        settings["baseline"] = f"tensor sha256:{digest[:16]}"
+    fingerprint = model_fingerprint(model)
+    return dict(model=str(getattr(model.config, "_name_or_path", "")), layers=[int(x) for x in layers],
+                **settings, fingerprint=None if fingerprint is None else fingerprint.tolist())
+
+
+def _check_settings(parts: Path, settings: dict) -> None:
+    """``resume``: the shards in ``parts`` must have been made with ``settings`` (the model's
+    fingerprint within 1e-2 relative, as :func:`check_same_model`; the rest exactly).
+
+    Raises:
+        ValueError: they differ (each difference listed), or shards exist without a record.
+    """
+    path = parts / SETTINGS_FILE
+    if not path.exists():
+        if any(parts.glob("*.parquet")):
+            raise ValueError(f"{parts} holds shards but no {SETTINGS_FILE} (the settings they were made "
+                             "with), so resuming could mix runs: run again without resume")
+        return
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    differ = [key for key in sorted(set(stored) | set(settings)) if key != "fingerprint"
+              and stored.get(key) != settings.get(key)]
+    old, new = stored.get("fingerprint"), settings.get("fingerprint")
+    if old is not None and new is not None and (len(old) != len(new) or not torch.allclose(
+            torch.tensor(old), torch.tensor(new), rtol=1e-2, atol=1e-8)):
+        differ.append("fingerprint")
+    if differ:
+        listed = "; ".join(f"{key}: {stored.get(key)!r} in the shards, {settings.get(key)!r} now"
+                           if key != "fingerprint" else "fingerprint: the model's weights differ"
+                           for key in differ)
+        raise ValueError(f"resume: the shards in {parts} were made with other settings ({listed}); "
+                         "resume with the same settings, or use another out= (or no resume)")
 
 
 def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]] = None,
@@ -227,7 +372,9 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                       baseline: Union[str, torch.Tensor] = "embedding", chat: bool = True,
                       batch_size: int = 16, out: Optional[Union[str, Path]] = None,
                       resume: bool = False, max_new_tokens: int = 32, progress: bool = True,
-                      readout: Optional[Readout] = None):
+                      readout: Optional[Readout] = None, prompt_column: str = "prompt",
+                      answer_column: Optional[str] = None, id_column: Optional[str] = None,
+                      quantity: str = "prob", foil_column: Optional[str] = None):
     """IG-Lens over a whole dataset: batched, written as it goes, resumable, split over ranks.
 
     Items are tokenised (errors recorded per row), sorted by length and taken ``batch_size`` at
@@ -251,23 +398,34 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
 
     Args:
         model, tokenizer: from :func:`load_model`.
-        items: CSV path or DataFrame, see :func:`read_items`.
-        layers, steps, estimator, baseline: as in :func:`ig_lens` (``baseline``: a name or a
-            (d,) tensor).
+        items: a .csv, .tsv, .json, .jsonl or .parquet path, or a DataFrame, see :func:`read_items`
+            (also for how an answer without a leading space is tokenised).
+        layers, steps, estimator, baseline: as in :func:`ig_lens` (``baseline``: a name of
+            :data:`BASELINES` or one (d,) tensor for every item, checked before the run).
         chat: apply the chat template to each prompt.
         batch_size: items per forward pass and per shard (>= 1).
-        out: the final ``.parquet`` file, or None to write nothing.
-        resume: skip the ids already in ``OUT.parts/``.
+        out: the final results file (must end in ``.parquet``), or None to write nothing.
+        resume: skip the ids already in ``OUT.parts/``. The settings that decide the numbers
+            (:func:`run_settings`: model name and fingerprint, layers, estimator, baseline,
+            steps, chat, max_new_tokens) are kept in ``OUT.parts/settings.json``; resuming with
+            other ones raises ValueError listing what differs, and so do shards without it.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
         readout: a :class:`Readout` to reuse.
+        prompt_column, answer_column, id_column, foil_column: the input's column names, see
+            :func:`read_items`.
+        quantity: ``"prob"`` or ``"logprob"``, as in :func:`ig_lens`. An item with a foil (one
+            token's text) splits ``f(y) - f(foil)`` at each of its answer tokens; a foil that is
+            not one token, or equals an answer token, makes that item an error row.
 
     Returns:
         ``(results, errors)`` DataFrames. ``results``: one row per (item, answer token, segment)
         with ``row`` (input row), ``id``, ``token_index``, ``position``, ``token``, ``segment``
         (index j), ``layer`` (its end layer), ``label``, ``value`` (probability credited),
         ``lens_start``, ``lens_end`` (f at the segment's ends), ``p_base``, ``p_final``,
-        ``delta_p``, ``onset`` (layer) and ``residual`` (the item's max |sum - Δp|).
+        ``delta_p``, ``onset`` (layer), ``residual`` (the item's max |sum - Δp|), ``quantity`` and
+        ``foil`` (the foil's text or None); with ``"logprob"`` or a foil, ``value``, ``lens_*``,
+        ``p_*`` and ``delta_p`` are that f (nats for log-probabilities), not probabilities.
         ``errors``: ``row``, ``id``, ``error``. With ``out`` and several ranks, rank 0 returns
         the merged tables, other ranks their own part. ``results.attrs`` holds ``items_run``
         (items attempted in this call, not skipped by ``resume``; on rank 0 with ``out``: by
@@ -280,7 +438,11 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if resume and out is None:
         raise ValueError("resume=True needs out= (the shards to resume from)")
-    table = read_items(items)
+    if out is not None and Path(out).suffix != ".parquet":
+        raise ValueError(f"out must be a .parquet file (the results are written as parquet), got {str(out)!r}")
+    table = read_items(items, prompt_column=prompt_column, answer_column=answer_column,
+                       id_column=id_column, foil_column=foil_column)
+    _check_quantity(quantity)
     readout = readout or Readout(model)
     layers = check_layers(layers, readout.adapter.n_layers)  # fail before any item runs
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
@@ -288,14 +450,23 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     _check_steps(readout, steps, estimator, False)
+    _check_dataset_baseline(baseline, readout.hidden_size)
     rank, world = distributed_rank()
     parts = Path(str(out) + ".parts") if out is not None else None
     if parts is not None:
+        settings = run_settings(model, layers=layers, estimator=estimator, steps=steps,
+                                baseline=baseline, chat=bool(chat), max_new_tokens=max_new_tokens,
+                                quantity=quantity)
+        if resume and parts.is_dir():
+            _check_settings(parts, settings)  # every rank: all of them stop alike
         if rank == 0:
             parts.mkdir(parents=True, exist_ok=True)
             if not resume:
                 for old in parts.glob("*.parquet"):
                     old.unlink()
+            tmp = parts / f".{SETTINGS_FILE}.tmp"
+            tmp.write_text(json.dumps(settings, indent=1), encoding="utf-8")
+            os.replace(tmp, parts / SETTINGS_FILE)
         _barrier(world)
     done = set()
     if resume:
@@ -318,9 +489,14 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
             _write_shard(results.assign(shard=stem), parts / f"{stem}.results.parquet")
 
     # 1. tokenise; rows that cannot run are errors at once
-    sequences, errors = {}, []  # row -> (prompt ids, answer ids or None)
+    sequences, errors, foil_ids = {}, [], {}  # row -> (prompt ids, answer ids or None); row -> foil id
     for item in mine.itertuples():
         try:
+            if item.foil is not None:
+                foil = tokenizer(item.foil, add_special_tokens=False)["input_ids"]
+                if len(foil) != 1:
+                    raise ValueError(f"foil {item.foil!r} must be one token, it tokenises to {len(foil)}")
+                foil_ids[item.row] = foil[0]
             if not item.prompt.strip():
                 raise ValueError(f"prompt must be a non-empty string, got {item.prompt!r}")
             if item.answer is None:
@@ -337,13 +513,18 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     n_failed = len(errors)
 
     # 2. batches of similar length: greedy answers, one forward pass, one readout pass
-    def attribute(rows, full):
-        traces = collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
-                                       for r in rows], batch_size=batch_size)
-        return ig_lens_batch(model, traces, layers=layers, baseline=baseline, steps=steps,
-                             estimator=estimator, readout=readout)
+    def attribute(rows, full):  # items with a foil and without go in separate passes; input order
+        traces = dict(zip(rows, collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
+                                                      for r in rows], batch_size=batch_size)))
+        done = {}
+        for group in ([r for r in rows if r not in foil_ids], [r for r in rows if r in foil_ids]):
+            done.update(zip(group, ig_lens_batch(
+                model, [traces[r] for r in group], layers=layers, baseline=baseline, steps=steps,
+                estimator=estimator, readout=readout, quantity=quantity,
+                foils=[foil_ids[r] for r in group] if group and group[0] in foil_ids else None)))
+        return [done[r] for r in rows]
 
-    ids_of = dict(zip(table["row"], table["id"]))
+    ids_of, foils_of = dict(zip(table["row"], table["id"])), dict(zip(table["row"], table["foil"]))
     order = sorted(sequences, key=lambda r: len(sequences[r][0]) + len(sequences[r][1] or ()))
     bar = tqdm(total=len(mine), desc="IG-Lens dataset", leave=False,
                **({} if progress else dict(disable=True)))  # TQDM_DISABLE applies otherwise
@@ -368,7 +549,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                 except ValueError as err:
                     batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
             runnable = [r for r in runnable if r not in {e["row"] for e in batch_errors}]
-        frames = [_item_frame(a, tokenizer, r, ids_of[r]) for r, a in zip(runnable, attributions)]
+        frames = [_item_frame(a, tokenizer, r, ids_of[r], foils_of[r]) for r, a in zip(runnable, attributions)]
         record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_RESULT_COLUMNS[:-1]),
                pd.DataFrame(batch_errors, columns=["row", "id", "error"]))
         n_failed += len(batch_errors)

@@ -155,7 +155,7 @@ def test_heatmap_token_count(setup):
 
 def test_bad_dataset(tmp_path, setup):
     model, _ = setup
-    with pytest.raises(ValueError, match=r"needs a 'prompt' column, got columns \['question'\]"):
+    with pytest.raises(ValueError, match=r"needs a prompt column 'prompt' .*got columns \['question'\]"):
         igd.attribute_dataset(model, None, {"question": ["Hi?"]})
     with pytest.raises(ValueError, match=r"ids must be unique, these repeat: \['a'\]"):
         igd.attribute_dataset(model, None, {"id": ["a", "a"], "prompt": ["x", "y"]})
@@ -249,3 +249,36 @@ def test_meta_device(setup):
         ig.collect(meta, setup[1].input_ids, 5)
     with pytest.raises(ValueError, match=r"weights are on the 'meta' device"):
         ig.ig_lens(meta, setup[1])
+
+
+# --- issue 24: the command line and the dataset runner refuse bad settings before any work
+
+@pytest.mark.parametrize("argv,match", [
+    (["Hi?", "--layers", "5,,10"], r"argument --layers: expected comma-separated integers in 1\.\.n .*got '5,,10'"),
+    (["Hi?", "--layers", "5.5"], r"argument --layers: expected comma-separated integers in 1\.\.n .*got '5\.5'"),
+    (["Hi?", "--max-new-tokens", "0"], r"argument --max-new-tokens: must be an integer >= 1, got 0"),
+    (["Hi?", "--steps", "two"], r"argument --steps: expected an integer >= 1, got 'two'"),
+    (["--dataset", "facts.csv"], r"--dataset needs --out OUT\.parquet"),
+])
+def test_cli_bad_arguments(argv, match, capsys):
+    import re
+    import iglens_cli as igcli
+    with pytest.raises(SystemExit) as stop:
+        igcli.main(argv)
+    assert stop.value.code == 2 and re.search(match, capsys.readouterr().err)
+
+
+def test_dataset_refuses_bad_out_and_baseline_before_the_run(setup, tmp_path):
+    """tokenizer=None: any item that ran would fail differently, so these errors come first."""
+    model, _ = setup
+    items = {"prompt": ["x", "y"]}
+    with pytest.raises(ValueError, match=r"out must be a \.parquet file .*got '.*x\.csv'"):
+        igd.attribute_dataset(model, None, items, out=tmp_path / "x.csv")
+    assert not (tmp_path / "x.csv.parts").exists()
+    d = model.config.hidden_size
+    for baseline, match in [(torch.zeros(d + 1), rf"must have shape \({d},\) .*got \({d + 1},\)"),
+                            (torch.zeros(2, d), rf"must have shape \({d},\) .*got \(2, {d}\)"),
+                            (torch.full((d,), float("nan")), "must be finite"),
+                            ("median", r"baseline must be one of .*got 'median'")]:
+        with pytest.raises(ValueError, match=match):
+            igd.attribute_dataset(model, None, items, baseline=baseline)

@@ -246,3 +246,131 @@ def test_cli_html_per_item(tmp_path, model_dir, capsys):
         grid = rows.sort_values(["token_index", "segment"])
         want = grid["value"].to_numpy().reshape(grid["token_index"].nunique(), -1)
         np.testing.assert_allclose(np.array(data[0]["z"], dtype=float), want, rtol=1e-6, atol=1e-9)
+
+
+def _write(frame, path):
+    """``frame`` as the file ``path``, its format from the extension (the writers pandas has)."""
+    writers = {".csv": lambda: frame.to_csv(path, index=False),
+               ".tsv": lambda: frame.to_csv(path, sep="\t", index=False),
+               ".json": lambda: frame.to_json(path, orient="records", force_ascii=False),
+               ".jsonl": lambda: frame.to_json(path, orient="records", lines=True, force_ascii=False),
+               ".parquet": lambda: frame.to_parquet(path, index=False)}
+    writers[path.suffix]()
+    return path
+
+
+def test_every_format_and_renamed_columns_give_the_same_results(tmp_path, tokenizer):
+    """The same facts as CSV, TSV, JSON, JSON Lines and Parquet (one greedy answer, one prompt with
+    a tab, a comma and a quote, a non-ASCII answer), and with renamed columns: equal results."""
+    model = tiny_model("llama", seed=9, vocab_size=VOCAB)
+    facts = _facts(4)
+    facts.iloc[2, 1:] = ['Capital, "quoted",\tof Côte d\'Ivoire?', " Paris"]
+    facts.iloc[3, 2] = "Yamoussoukro, Côte d’Ivoire"
+    run = lambda items, **names: igd.attribute_dataset(model, tokenizer, items, layers=[2], steps=2,
+                                                       max_new_tokens=3, progress=False, **names)
+    want, errors = run(facts)
+    assert errors.empty and want["id"].nunique() == 4
+    for suffix in igd.DATASET_FORMATS:
+        got, errors = run(_write(facts, tmp_path / f"facts{suffix}"))
+        assert errors.empty, suffix
+        pd.testing.assert_frame_equal(got, want, obj=suffix)
+    renamed = facts.rename(columns=dict(prompt="question", answer="attribute", id="key"))
+    names = dict(prompt_column="question", answer_column="attribute", id_column="key")
+    for suffix in (".jsonl", ".parquet"):
+        got, _ = run(_write(renamed, tmp_path / f"renamed{suffix}"), **names)
+        pd.testing.assert_frame_equal(got, want, obj=suffix)
+
+
+def test_unreadable_dataset_files(tmp_path):
+    """Each bad file: a ValueError naming the file and what was found, before any model work."""
+    def raises(name, content, match, **names):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=re.escape(repr(str(path))) + ".*" + match):
+            igd.read_items(path, **names)
+
+    good = "id,prompt,answer\na,Capital of France?,Paris\n"
+    raises("facts.xlsx", good.encode(), r"unknown extension '\.xlsx', expected one of \.csv, \.tsv")
+    raises("latin1.csv", "id,prompt\na,Où est Orléans?\n".encode("latin-1"),
+           r"not UTF-8: byte 0xf9 at offset 13 \(e\.g\. Latin-1\)")
+    raises("header.csv", b"id,prompt,answer\n", r"has no rows \(columns \['id', 'prompt', 'answer'\]\)")
+    raises("empty.tsv", b"", "is empty")
+    raises("empty.json", b"[]", r"has no rows")
+    raises("columns.json", b'{"prompt": ["x"]}', r"list of records .* found dict")
+    raises("broken.jsonl", b'{"prompt": "x"}\n{"prompt": \n', "not valid JSON Lines")
+    raises("broken.parquet", b"not parquet", "not a readable parquet file")
+    raises("facts.csv", good.encode(), r"needs an answer column 'attribute' \(--answer-column / "
+           r"answer_column= names another\), got columns \['id', 'prompt', 'answer'\]",
+           answer_column="attribute")
+    raises("question.tsv", b"id\tquestion\na\tHi?\n", r"needs a prompt column 'prompt' .*\['id', 'question'\]")
+
+
+def test_cli_dataset_column_flags(tmp_path, model_dir, capsys):
+    path = _write(_facts(2).rename(columns=dict(prompt="question")), tmp_path / "facts.jsonl")
+    assert _run(model_dir, path, tmp_path / "r.parquet") == 2
+    assert "needs a prompt column 'prompt'" in capsys.readouterr().err
+    assert _run(model_dir, path, tmp_path / "r.parquet", "--prompt-column", "question",
+                "--quantity", "logprob") == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("2 items done, 0 failed")
+    results = pd.read_parquet(tmp_path / "r.parquet")
+    assert (results["quantity"] == "logprob").all() and (results["p_final"] <= 0).all()
+
+
+def test_resume_refuses_other_settings(tmp_path, tokenizer):
+    """Shards of one run are not mixed with another's: each difference is named, nothing is written."""
+    model = tiny_model("llama", seed=10, vocab_size=VOCAB)
+    facts, out = _facts(3).dropna(), tmp_path / "r.parquet"
+    run = lambda model, **more: igd.attribute_dataset(
+        model, tokenizer, facts, out=out, resume=True, progress=False, **{"layers": [2], "steps": 2, **more})
+    first, _ = run(model)
+    shards = sorted((tmp_path / "r.parquet.parts").iterdir())
+    again, _ = run(model)  # the same settings: a no-op
+    pd.testing.assert_frame_equal(again, first)
+    n, d = model.config.num_hidden_layers, model.config.hidden_size
+    cases = [(dict(layers=[1, 2]), rf"layers: \[2, {n}\] in the shards, \[1, 2, {n}\] now"),
+             (dict(steps=4, estimator="riemann_mid"),
+              r"estimator: 'prediction_aware' in the shards, 'riemann_mid' now; steps: 2 in the shards, 4 now"),
+             (dict(baseline=torch.zeros(d)), r"baseline: 'embedding' in the shards, 'tensor sha256:"),
+             (dict(chat=False), r"chat: True in the shards, False now"),
+             (dict(quantity="logprob"), r"quantity: 'prob' in the shards, 'logprob' now")]
+    for more, match in cases:
+        with pytest.raises(ValueError, match=r"resume: the shards in .* were made with other settings .*" + match):
+            run(model, **more)
+    with pytest.raises(ValueError, match=r"fingerprint: the model's weights differ"):
+        run(tiny_model("llama", seed=11, vocab_size=VOCAB))  # same sizes, other weights
+    assert sorted((tmp_path / "r.parquet.parts").iterdir()) == shards
+    (tmp_path / "r.parquet.parts" / igd.SETTINGS_FILE).unlink()  # shards of an unknown run
+    with pytest.raises(ValueError, match=r"holds shards but no settings\.json"):
+        run(model)
+
+
+@pytest.mark.parametrize("quantity", ["prob", "logprob"])
+def test_quantity_and_foils_equal_per_item(tokenizer, quantity):
+    """Items with and without a foil in one batch: each equals ig_lens(quantity=, foil=) alone, and the
+    f difference is the model's own; a foil of two tokens, or equal to the answer, is an error row."""
+    model = tiny_model("llama", seed=12, vocab_size=VOCAB)
+    facts = _facts(5).dropna().reset_index(drop=True)
+    facts["foil"] = [" Lyon", None, " Paris and Lyon", "", None][:len(facts)]
+    first = tokenizer.decode(ig.encode(tokenizer, facts["prompt"][3], facts["answer"][3])[0][0, -len(
+        tokenizer(facts["answer"][3], add_special_tokens=False)["input_ids"])].item())
+    facts.loc[3, "foil"] = first  # the answer's first token
+    results, errors = igd.attribute_dataset(model, tokenizer, facts, layers=[2], steps=3, batch_size=4,
+                                           quantity=quantity, progress=False)
+    assert set(errors["id"]) == {facts["id"][2], facts["id"][3]}
+    assert "must be one token, it tokenises to" in errors.set_index("id")["error"][facts["id"][2]]
+    assert "the foil equals the target" in errors.set_index("id")["error"][facts["id"][3]]
+    assert (results["quantity"] == quantity).all()
+    for item in facts.drop([2, 3]).itertuples():
+        ids, prompt_len = ig.encode(tokenizer, item.prompt, item.answer)
+        foil = tokenizer(item.foil, add_special_tokens=False)["input_ids"][0] if item.foil else None
+        want = ig.ig_lens(model, ig.collect(model, ids, prompt_len), layers=[2], steps=3,
+                          quantity=quantity, foil=foil)
+        got = results[results["id"] == item.id]
+        assert (got["foil"].isna() if foil is None else got["foil"] == item.foil).all()
+        torch.testing.assert_close(torch.tensor(got["value"].to_numpy()).view(-1, 2), want.values.double(),
+                                   atol=2e-6, rtol=1e-5)
+        with torch.no_grad():  # f at the last layer from the model's own logits, independently
+            logp = torch.log_softmax(model(ids).logits[0, prompt_len - 1:-1].double(), -1)
+        f = logp if quantity == "logprob" else logp.exp()
+        own = f.gather(-1, ids[0, prompt_len:, None])[:, 0] - (f[:, foil] if foil is not None else 0)
+        torch.testing.assert_close(torch.tensor(got["p_final"].to_numpy()[::2]), own, atol=2e-6, rtol=1e-5)
