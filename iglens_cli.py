@@ -15,9 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, Attribution, collect, encode, ig_lens,
-                         load_model)
-from iglens_data import attribute_dataset
+from iglens_core import BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, Attribution, collect, ig_lens, load_model
+from iglens_data import attribute_dataset, encode
 from iglens_plot import _html_path, format_table, to_html
 
 

@@ -31,10 +31,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr,
-                         _first_output, _hidden_arg, _projection, _projection_weight, check_layers, collect,
-                         check_same_model, component_terms, get_adapter, precision, tie_tolerance, tied_ranks,
-                         top_indices)
+from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr, _first_output,
+                         _hidden_arg, _projection, _projection_weight, _quiet_transformers, check_layers, collect,
+                         check_same_model, component_terms, get_adapter, precision, tie_tolerance)
 
 # ---------------------------------------------------------------------------
 # 1. Comparisons: direct logit attribution, tuned lens, layer IG and conductance
@@ -1280,10 +1279,53 @@ def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
     return scores, effects
 
 
+def tied_ranks(values) -> np.ndarray:
+    """(..., n) float64 ranks ``1..n`` along the last axis, values within tolerance tied.
+
+    Sorted, neighbours closer than :func:`tie_tolerance` join one group (single linkage: two
+    values that differ by less than the tolerance are always tied; a chain of such steps is one
+    group); a group shares its members' average rank, as ``scipy.stats.rankdata`` does for
+    exact ties. A perturbation much smaller than the tolerance (the float path) changes no rank
+    unless a gap between sorted neighbours lies within it of the tolerance itself. NaN rows give
+    NaN ranks.
+
+    Args:
+        values: (..., n) scores, e.g. (T, n) per-layer values of T tokens.
+    """
+    x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
+    tolerance = tie_tolerance(x)
+    rows, tols = x.reshape(-1, x.shape[-1]), tolerance.reshape(-1)
+    ranks = np.full(rows.shape, np.nan)
+    for i, (row, tol) in enumerate(zip(rows, tols)):
+        if np.isnan(row).any():
+            continue
+        order = np.argsort(row, kind="stable")
+        group = np.concatenate([[0], np.cumsum(np.diff(row[order]) > tol)])  # sorted order
+        position = np.arange(1.0, len(row) + 1)
+        average = np.bincount(group, weights=position) / np.bincount(group)
+        ranks[i, order] = average[group]
+    return ranks.reshape(x.shape)
+
+
+def top_indices(values, k: int = 1) -> np.ndarray:
+    """(..., k) indices of the ``k`` largest values along the last axis, ties within tolerance
+    broken by the lower index (the earlier layer); ``k = 1`` is the tolerant arg-max.
+
+    Args:
+        values: (..., n) scores; flatten a grid (e.g. (n, H) heads) to rank across it.
+        k: 1..n.
+    """
+    ranks = tied_ranks(values)
+    n = ranks.shape[-1]
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
+        raise ValueError(f"k must be an integer in 1..{n}, got {k!r}")
+    return np.argsort(-ranks, axis=-1, kind="stable")[..., :k]
+
+
 def spearman_rows(scores, effects) -> np.ndarray:
     """(T,) Spearman rank correlation, per token, between a per-layer score and ablation effects.
 
-    Ranks are :func:`iglens_core.tied_ranks`: values within the rank tolerance are ties, so the
+    Ranks are :func:`tied_ranks`: values within the rank tolerance are ties, so the
     statistic does not order rounding (the level ``f(h_L)`` and the cumulative
     ``f(h_L) - f(h_0)`` give the same number), and ties take their average rank.
 
@@ -1306,8 +1348,8 @@ def spearman_rows(scores, effects) -> np.ndarray:
 def top1_agreement(scores, effects) -> np.ndarray:
     """(T,) 1.0 where the top-scored layer is among the layers whose ablation hurts most, else 0.0.
 
-    The top-scored layer is :func:`iglens_core.top_indices` (ties within the rank tolerance go to
-    the earlier layer); "hurts most" is the top group of :func:`iglens_core.tied_ranks` of the
+    The top-scored layer is :func:`top_indices` (ties within the rank tolerance go to
+    the earlier layer); "hurts most" is the top group of :func:`tied_ranks` of the
     effects (every layer tied with the largest effect)."""
     scores, effects = _check_pair(scores, effects)
     named = top_indices(scores)                      # (T, 1)
@@ -1321,14 +1363,14 @@ def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -
     For each token the method names a layer (its top-scored layer, or ``named``); the test
     passes (1.0) when that layer's ablation effect exceeds the median effect of the layers the
     method scores lower, and fails (0.0) otherwise; NaN where no layer scores lower. "Lower" and
-    "exceeds" are taken with the rank tolerance (:func:`iglens_core.tied_ranks`,
+    "exceeds" are taken with the rank tolerance (:func:`tied_ranks`,
     :func:`iglens_core.tie_tolerance`): a layer tied with the named one is not lower, and an
     effect within tolerance of the median does not exceed it.
 
     Args:
         scores, effects: (T, n).
         named: (T,) indices (0-based, into the n layers) of the named layer; default the
-            tolerant arg-max :func:`iglens_core.top_indices`.
+            tolerant arg-max :func:`top_indices`.
     """
     scores, effects = _check_pair(scores, effects)
     named = top_indices(scores)[:, 0] if named is None else np.asarray(named, dtype=int)
@@ -1401,7 +1443,7 @@ def load_facts(source, *, statement: bool = False):
         source: a CSV path, or a DataFrame.
         statement: for a base model: each prompt becomes its ``answer`` cut before the last
             occurrence of its ``object`` ("The capital of France is" for "... is Paris."), which
-            the model must complete.
+            the model must complete, and the answer the rest (" Paris.", with its leading space).
 
     Raises:
         ValueError: a missing column, or (``statement``) an answer that does not contain its object.
@@ -1418,8 +1460,18 @@ def load_facts(source, *, statement: bool = False):
         if bad:
             raise ValueError(f"statement=True cuts each answer before its object, but {len(bad)} answers do not contain "
                              f"it (rows {bad[:5]}, e.g. {facts.answer.iloc[bad[0]]!r} / {facts.object.iloc[bad[0]]!r})")
-        facts = facts.assign(prompt=[str(a)[:at].rstrip() for a, at in zip(facts.answer, cut)])
+        prompts = [str(a)[:at].rstrip() for a, at in zip(facts.answer, cut)]
+        facts = facts.assign(prompt=prompts, answer=[str(a)[len(p):] for a, p in zip(facts.answer, prompts)])
     return facts
+
+
+def object_tokens(tokenizer, answer: str, obj: str, n_tokens: int) -> list[int]:
+    """Indices of the answer tokens that spell ``obj`` (e.g. ' H', 'ano', 'i' for "Hanoi"), cut at
+    ``n_tokens``: the tokens of the answer up to the object's last occurrence, minus those before it."""
+    start = answer.rfind(obj)
+    before = tokenizer(answer[:start].rstrip(), add_special_tokens=False)["input_ids"]
+    upto = tokenizer(answer[:start + len(obj)], add_special_tokens=False)["input_ids"]
+    return list(range(len(before), min(len(upto), n_tokens)))
 
 
 def draw_facts(facts, n_per_relation: int, seed: int = 0):
@@ -1464,7 +1516,7 @@ def corrupt_subject(tokenizer, fact, pool, *, length: int, answer_prefix: str = 
 
     Candidates are the ``pool`` facts of ``fact``'s relation with another subject and another
     object (case-insensitive), in a seeded random order. Each gives the token ids of the prompt
-    with the subject swapped (chat template as :func:`iglens_core.encode`) followed by
+    with the subject swapped (chat template as :func:`iglens_data.encode`) followed by
     ``answer_prefix`` with the subject swapped (the answer up to the predicting position). The
     first candidate whose ids have ``length`` tokens wins (every position then aligns with the
     clean sequence); without one, the first candidate.
@@ -1481,7 +1533,7 @@ def corrupt_subject(tokenizer, fact, pool, *, length: int, answer_prefix: str = 
         ``(ids (1, L') long, other subject, L' == length)``, or ``(None, None, False)`` when the
         relation has no other subject with another object.
     """
-    from iglens_core import _prompt_ids
+    from iglens_data import _prompt_ids
     get = (lambda key: fact[key]) if isinstance(fact, dict) else (lambda key: getattr(fact, key))
     relation, subject, prompt, obj = (get(key) for key in FACT_COLUMNS)
     others = pool[(pool.relation == relation) & (pool.object.str.lower() != str(obj).lower())
@@ -1533,5 +1585,102 @@ def bootstrap_table(frame, by: Sequence[str], metrics: Sequence[str], *, order: 
         row = dict(zip(by, key if isinstance(key, tuple) else (key,)), items=len(group))
         for metric in metrics:
             row[metric] = format_ci(group[metric].to_numpy(), n_boot=n_boot, seed=seed, digits=digits)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, *, n_layers: int = 6, hidden_size: int = 32,
+               vocab_size: int = 64, init_scale: float = 0.3):
+    """A tiny randomly initialised causal LM built from a config (no download), for controlled checks.
+
+    Norm weights (and biases, where the norm has them) are randomised: with unit norm weights
+    some bugs are invisible. ``init_scale`` is the weights' standard deviation; 0.3 makes the
+    output distribution far from uniform, so probabilities move along the path.
+
+    Args:
+        arch: ``"llama"`` (RMSNorm, rotary) or ``"gpt2"`` (LayerNorm with bias, learned positions).
+        seed: seed of the weights.
+
+    Returns:
+        The model, float32, in eval mode.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    _quiet_transformers()
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                             num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128, initializer_range=init_scale,
+                             tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+    elif arch == "gpt2":
+        config = GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_layer=n_layers, n_head=4,
+                            n_positions=128, initializer_range=init_scale)
+        model = GPT2LMHeadModel(config)
+    else:
+        raise ValueError(f"arch must be 'llama' or 'gpt2', got {arch!r}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or ".ln_" in name or name.startswith("ln_"):
+                if name.endswith("weight"):
+                    param.copy_(1.0 + 0.5 * torch.randn_like(param))
+                else:
+                    param.copy_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def onset_verdict(per_item, mode: str, *, method: str, control: str, random_method: str, n_blocks: int,
+                  n_boot: int = 2000, seed: int = 0) -> str:
+    """Notebook 05's verdict in words for one ablation mode: the onset test's rate for ``method``
+    against a random ranking and against ``control`` (paired over the same items), and how strongly
+    its per-block ranking agrees with the ablation effects.
+
+    Args:
+        per_item: one row per (item, method, mode) with ``beats_median``, ``spearman`` and ``top1``.
+    """
+    def rows(name):
+        return per_item[(per_item.method == name) & (per_item["mode"] == mode)]
+
+    ours, ctrl = rows(method), rows(control)
+    rate = bootstrap_ci(ours.beats_median.to_numpy(), n_boot=n_boot, seed=seed)
+    rand = bootstrap_ci(rows(random_method).beats_median.to_numpy(), n_boot=n_boot, seed=seed)
+    diff = bootstrap_ci(ours.beats_median.to_numpy() - ctrl.beats_median.to_numpy(), n_boot=n_boot, seed=seed)
+    rho = bootstrap_ci(ours.spearman.to_numpy(), n_boot=n_boot, seed=seed)
+    paired = (f"({ctrl.beats_median.mean():.0%}; paired difference "
+              f"{diff[0]:+.2f} [{diff[1]:+.2f}, {diff[2]:+.2f}])")
+    text = (f"{mode} ablation: the IG-Lens onset beats the median lower-scored block for {rate[0]:.0%} of "
+            f"{len(ours)} items [{rate[1]:.0%}, {rate[2]:.0%}]; "
+            + ("well above a random ranking" if rate[1] > rand[2] else "not clearly above a random ranking")
+            + f" ({rand[0]:.0%}), ")
+    if diff[1] > 0:
+        text += f"and above the always-the-last-block control {paired}"
+    elif diff[2] < 0:
+        text += f"but below the always-the-last-block control {paired}"
+    else:
+        text += (f"but not distinguishable from the always-the-last-block control {paired}: late blocks "
+                 "matter more than the median earlier one whichever method names them")
+    strength = "weakly" if abs(rho[0]) < 0.3 else "moderately" if abs(rho[0]) < 0.6 else "strongly"
+    return (text + f". Over all {n_blocks} blocks the two rankings agree {strength} (Spearman {rho[0]:.2f} "
+            f"[{rho[1]:.2f}, {rho[2]:.2f}]), and the top-scored block is the most harmful one to remove for "
+            f"{ours.top1.mean():.0%} of items.")
+
+
+def verdict_table(per_item, per_patch, methods: Sequence[str], modes: Sequence[str], *, n_boot: int = 2000,
+                  seed: int = 0):
+    """Notebook 05's two-reference verdict: per method, the ablation rows (beats median, Spearman per
+    mode) and the patching rows (distance, within 2, Spearman over nodes and blocks), each as
+    "mean [95% bootstrap interval]" (:func:`format_ci`). Returns a frame with one row per method."""
+    import pandas as pd
+    rows = []
+    for method in methods:
+        row = dict(method=method)
+        for mode in modes:
+            sel = per_item[(per_item.method == method) & (per_item["mode"] == mode)]
+            row[f"{mode}: beats median"] = format_ci(sel.beats_median, n_boot=n_boot, seed=seed)
+            row[f"{mode}: Spearman"] = format_ci(sel.spearman, n_boot=n_boot, seed=seed)
+        sel = per_patch[per_patch.method == method]
+        for column, metric in (("patch: |named-half|", "distance"), ("patch: within 2", "within2"),
+                               ("patch: Spearman nodes", "spearman_curve"), ("patch: Spearman blocks", "spearman_steps")):
+            row[column] = format_ci(sel[metric], n_boot=n_boot, seed=seed)
         rows.append(row)
     return pd.DataFrame(rows)

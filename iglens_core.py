@@ -4,17 +4,17 @@ The method and only the method, in one plain module. Sections, in reading order:
 
 1. model loading (the packaged GGUF model, offline-first Hugging Face loading)
 2. architecture adapters (where the blocks, the final norm and the head live)
-3. prompts and the collector (one forward pass -> a ``Trace``)
+3. the collector (one forward pass -> a ``Trace``)
 4. the head-once readout ``Readout``
 5. the integrator and its estimators (``ig_lens`` -> ``Attribution``), and the split of each
    sublayer term into attention heads and MLP neurons, and of each head's share into the source
    positions it reads (``components`` -> ``Components``)
 
-Beside it, each importing this module and none imported by it: ``iglens_data.py`` (datasets at
-scale: input files, batches, shards, ranks, resume), ``iglens_plot.py`` (figures and the
-interactive view), ``iglens_cli.py`` (the ``iglens`` command) and ``iglens_compare.py`` (what
-IG-Lens is compared and tested against: DLA, tuned lens, captum, ablation, patching, onset
-metrics, and the experiments' helpers).
+Beside it, each importing this module and none imported by it: ``iglens_data.py`` (inputs:
+``encode``, ``token_span``, ``collect_batch``; datasets at scale: files, shards, ranks, resume),
+``iglens_plot.py`` (figures and the interactive view), ``iglens_cli.py`` (the ``iglens`` command)
+and ``iglens_compare.py`` (what IG-Lens is compared and tested against: DLA, tuned lens, captum,
+ablation, patching, causal tracing, rank metrics, and the experiments' helpers).
 
 Notation used in shapes: ``T`` predicting positions (answer tokens), ``n`` blocks,
 ``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
@@ -210,46 +210,6 @@ def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
         model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.eval()
     return model, tokenizer
-
-
-def tiny_model(arch: str = "llama", seed: int = 0, *, n_layers: int = 6, hidden_size: int = 32,
-               vocab_size: int = 64, init_scale: float = 0.3):
-    """A tiny randomly initialised causal LM built from a config (no download), for controlled checks.
-
-    Norm weights (and biases, where the norm has them) are randomised: with unit norm weights
-    some bugs are invisible. ``init_scale`` is the weights' standard deviation; 0.3 makes the
-    output distribution far from uniform, so probabilities move along the path.
-
-    Args:
-        arch: ``"llama"`` (RMSNorm, rotary) or ``"gpt2"`` (LayerNorm with bias, learned positions).
-        seed: seed of the weights.
-
-    Returns:
-        The model, float32, in eval mode.
-    """
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    _quiet_transformers()
-    torch.manual_seed(seed)
-    if arch == "llama":
-        config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                             num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=128, initializer_range=init_scale,
-                             tie_word_embeddings=False)
-        model = LlamaForCausalLM(config)
-    elif arch == "gpt2":
-        config = GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_layer=n_layers, n_head=4,
-                            n_positions=128, initializer_range=init_scale)
-        model = GPT2LMHeadModel(config)
-    else:
-        raise ValueError(f"arch must be 'llama' or 'gpt2', got {arch!r}")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or ".ln_" in name or name.startswith("ln_"):
-                if name.endswith("weight"):
-                    param.copy_(1.0 + 0.5 * torch.randn_like(param))
-                else:
-                    param.copy_(0.1 * torch.randn_like(param))
-    return model.eval()
 
 
 # ---------------------------------------------------------------------------
@@ -621,119 +581,8 @@ def _context_length(model: nn.Module) -> Optional[int]:
 
 
 # ---------------------------------------------------------------------------
-# 3. Prompts and the collector
+# 3. The collector
 # ---------------------------------------------------------------------------
-
-_END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """EOS plus the end-of-turn tokens of the common chat formats that this vocabulary has."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[tok] for tok in _END_OF_TURN if tok in vocab)
-    return sorted(ids)
-
-
-def _as_ids(encoded) -> list[int]:
-    # transformers 5.x returns a mapping from apply_chat_template; 4.x a list
-    if hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    if isinstance(encoded, torch.Tensor):
-        encoded = encoded.tolist()
-    if encoded and isinstance(encoded[0], list):
-        encoded = encoded[0]
-    return list(encoded)
-
-
-def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
-           chat: bool = True, max_new_tokens: int = 32) -> tuple[torch.Tensor, int]:
-    """Token ids of prompt + answer, and where the answer starts.
-
-    Args:
-        prompt: the user message (``chat=True``) or raw text.
-        answer: teacher-forced answer text; ``None`` generates the model's greedy answer
-            (KV cache, stops at EOS / end-of-turn, which is not included).
-        model: needed when ``answer is None``.
-        chat: use the tokenizer's chat template when it has one.
-
-    Returns:
-        ``input_ids`` (1, L) long and ``prompt_len``: answer tokens are ``input_ids[0, prompt_len:]``.
-    """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"prompt must be a non-empty string, got {type(prompt).__name__} {prompt!r}")
-    if answer is not None and (not isinstance(answer, str) or not answer.strip()):
-        raise ValueError(f"answer must be a non-empty string or None (greedy), got {answer!r}")
-    prompt_ids = _prompt_ids(tokenizer, prompt, chat)
-    if answer is not None:
-        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        if not answer_ids:
-            raise ValueError(f"answer {answer!r} tokenizes to no tokens")
-    else:
-        if model is None:
-            raise ValueError("encode(answer=None) generates the greedy answer and needs model=")
-        answer_ids = greedy_answer(model, tokenizer, prompt_ids, max_new_tokens)
-        if not answer_ids:
-            raise ValueError(f"the model's greedy answer to {prompt!r} is empty (it stopped at once)")
-    input_ids = torch.tensor([prompt_ids + answer_ids], dtype=torch.long)
-    return input_ids, len(prompt_ids)
-
-
-def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """Token ids of the prompt: the chat template's user turn and generation prompt, or raw
-    text with the tokenizer's BOS (restored when the tokenizer forgets it)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        return _as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True))
-    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    bos = tokenizer.bos_token_id
-    if getattr(tokenizer, "add_bos_token", False) and bos is not None and prompt_ids[:1] != [bos]:
-        prompt_ids = [bos] + prompt_ids
-    return prompt_ids
-
-
-@torch.no_grad()
-def greedy_answer(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int = 32) -> list[int]:
-    """Greedy decoding with a KV cache; returns the new tokens without the stop token."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)], device=device)
-    stops = stop_token_ids(tokenizer)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=stops, pad_token_id=stops[0] if stops else None,
-                         use_cache=True)
-    new = out[0, ids.shape[1]:].tolist()
-    while new and new[-1] in stops:
-        new.pop()
-    return new
-
-
-def token_span(tokenizer, ids: Sequence[int], text: str, *, ignore_case: bool = True) -> Optional[tuple[int, int]]:
-    """Token indices ``(start, stop)`` of the first occurrence of ``text`` in ``decode(ids)``.
-
-    ``ids[start]`` is the token holding the first character of ``text`` (with a leading space
-    token such as ``" Paris"`` this is that token) and ``ids[stop - 1]`` the one holding its last.
-
-    Args:
-        ids: token ids, e.g. an answer ``input_ids[0, prompt_len:]``.
-        text: the substring to find, e.g. a fact's object.
-        ignore_case: match case-insensitively ("Hydrogen" for "hydrogen").
-
-    Returns:
-        ``(start, stop)`` or None when ``text`` does not occur.
-    """
-    if not text:
-        raise ValueError("text must be a non-empty string")
-    ids = [int(i) for i in ids]
-    decoded = tokenizer.decode(ids)
-    at = (decoded.lower().find(text.lower()) if ignore_case else decoded.find(text))
-    if at < 0:
-        return None
-    ends = [len(tokenizer.decode(ids[:k + 1])) for k in range(len(ids))]  # decoded prefix lengths
-    start = next(k for k, end in enumerate(ends) if end > at)
-    stop = next(k for k, end in enumerate(ends) if end >= at + len(text)) + 1
-    return start, stop
-
 
 @dataclass
 class Trace:
@@ -901,82 +750,6 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
         -1, targets[:, None].to(logits.device))[:, 0].cpu()
     return Trace(input_ids.cpu(), prompt_len, targets, positions, hidden, model_probs,
                  torch.stack(mids) if sublayer else None, model_fingerprint=model_fingerprint(model))
-
-
-@torch.no_grad()
-def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch_size: int = 8,
-                  sublayer: bool = False, pad_token_id: int = 0) -> list[Trace]:
-    """:func:`collect` for many sequences, ``batch_size`` at a time; the same traces.
-
-    Sequences of similar length are batched together (order restored on return), LEFT-padded
-    with an attention mask, and given ``position_ids = cumsum(mask) - 1`` (clamped at 0 on the
-    padding) explicitly: Hugging Face models count positions from the first column of the batch
-    whatever the mask says, which shifts learned absolute positions (GPT-2) of padded rows.
-    Padding is never attended to and never recorded.
-
-    Args:
-        sequences: ``(input_ids (1, L) or (L,), prompt_len)`` pairs, as :func:`encode` returns.
-        batch_size: sequences per forward pass (>= 1).
-        sublayer: also record the residual between attention and MLP of each block.
-        pad_token_id: id placed on the padding (any valid id: it is masked out).
-
-    Returns:
-        One :class:`Trace` per sequence, in input order, equal to ``collect(model, *sequence)``
-        up to float rounding of the batched matrix products.
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    checked = [(_check_sequence(model, ids, prompt_len), int(prompt_len))
-               for ids, prompt_len in sequences]
-    adapter = get_adapter(model)
-    n = adapter.n_layers
-    device = next(model.parameters()).device
-    fingerprint = model_fingerprint(model)
-    order = sorted(range(len(checked)), key=lambda i: checked[i][0].shape[1])
-    traces: list[Optional[Trace]] = [None] * len(checked)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
-        width = max(checked[i][0].shape[1] for i in chunk)
-        input_ids = torch.full((len(chunk), width), int(pad_token_id), dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, i in enumerate(chunk):
-            ids = checked[i][0][0]
-            input_ids[row, width - len(ids):] = ids
-            mask[row, width - len(ids):] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        # left padding: every row's positions lie in the last max(T) + 1 columns
-        keep = max(checked[i][0].shape[1] - checked[i][1] for i in chunk) + 1
-        stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
-        mids: list[Optional[torch.Tensor]] = [None] * n
-        hooks = _stream_hooks(adapter, lambda index, tensor: stream.__setitem__(index, tensor.detach()),
-                              (lambda layer, tensor: mids.__setitem__(layer, tensor.detach()))
-                              if sublayer else None)
-        try:
-            logits = _logits_at_end(model, keep, input_ids=input_ids.to(device),
-                                    attention_mask=mask.to(device), position_ids=position_ids.to(device))
-        finally:
-            for hook in hooks:
-                hook.remove()
-        for row, i in enumerate(chunk):
-            ids, prompt_len = checked[i]
-            length = ids.shape[1]
-            positions = torch.arange(prompt_len - 1, length - 1)
-            picked = positions + width - length  # the same positions in the padded row
-            work = precision(stream[0].dtype)
-            # with device_map="auto" the blocks (and the head) may sit on different devices
-            hidden = torch.stack([s[row, picked.to(s.device)].cpu() for s in stream]).to(work)  # (n+1, T, d)
-            if not torch.isfinite(hidden).all():
-                raise ValueError("the hidden states contain NaN or inf; check the model's dtype "
-                                 "and weights")
-            targets = ids[0, prompt_len:].cpu()
-            columns = (picked - (width - keep)).to(logits.device)
-            probs = torch.softmax(logits[row, columns].to(precision(logits.dtype)), -1)
-            model_probs = probs.gather(-1, targets[:, None].to(logits.device))[:, 0].cpu()
-            mid = (torch.stack([s[row, picked.to(s.device)].cpu() for s in mids]).to(work)
-                   if sublayer else None)
-            traces[i] = Trace(ids.cpu(), prompt_len, targets, positions, hidden, model_probs, mid,
-                              model_fingerprint=fingerprint)
-    return traces
 
 
 def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> list:
@@ -1659,49 +1432,6 @@ def tie_tolerance(values) -> np.ndarray:
     if x.ndim == 0 or x.shape[-1] == 0:
         raise ValueError(f"values must have at least one entry along the last axis, got shape {x.shape}")
     return RANK_ATOL + RANK_RTOL * np.ptp(x, axis=-1, keepdims=True)
-
-
-def tied_ranks(values) -> np.ndarray:
-    """(..., n) float64 ranks ``1..n`` along the last axis, values within tolerance tied.
-
-    Sorted, neighbours closer than :func:`tie_tolerance` join one group (single linkage: two
-    values that differ by less than the tolerance are always tied; a chain of such steps is one
-    group); a group shares its members' average rank, as ``scipy.stats.rankdata`` does for
-    exact ties. A perturbation much smaller than the tolerance (the float path) changes no rank
-    unless a gap between sorted neighbours lies within it of the tolerance itself. NaN rows give
-    NaN ranks.
-
-    Args:
-        values: (..., n) scores, e.g. (T, n) per-layer values of T tokens.
-    """
-    x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
-    tolerance = tie_tolerance(x)
-    rows, tols = x.reshape(-1, x.shape[-1]), tolerance.reshape(-1)
-    ranks = np.full(rows.shape, np.nan)
-    for i, (row, tol) in enumerate(zip(rows, tols)):
-        if np.isnan(row).any():
-            continue
-        order = np.argsort(row, kind="stable")
-        group = np.concatenate([[0], np.cumsum(np.diff(row[order]) > tol)])  # sorted order
-        position = np.arange(1.0, len(row) + 1)
-        average = np.bincount(group, weights=position) / np.bincount(group)
-        ranks[i, order] = average[group]
-    return ranks.reshape(x.shape)
-
-
-def top_indices(values, k: int = 1) -> np.ndarray:
-    """(..., k) indices of the ``k`` largest values along the last axis, ties within tolerance
-    broken by the lower index (the earlier layer); ``k = 1`` is the tolerant arg-max.
-
-    Args:
-        values: (..., n) scores; flatten a grid (e.g. (n, H) heads) to rank across it.
-        k: 1..n.
-    """
-    ranks = tied_ranks(values)
-    n = ranks.shape[-1]
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-        raise ValueError(f"k must be an integer in 1..{n}, got {k!r}")
-    return np.argsort(-ranks, axis=-1, kind="stable")[..., :k]
 
 
 def quadrature(estimator: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,10 @@
-"""IG-Lens on datasets: many prompts in one call, batched, resumable, on one process or many.
+"""IG-Lens inputs and datasets: prompts and answers, and many prompts in one call, batched,
+resumable, on one process or many.
 
-The method lives in :mod:`iglens_core`; this module imports it and holds what running it at scale
-needs: reading the input file, greedy answers in batches, :func:`ig_lens_batch` (one readout pass
+The method lives in :mod:`iglens_core`; this module imports it and holds what feeding it needs:
+:func:`encode` (a prompt and its answer, teacher-forced or the model's greedy one, as token ids),
+:func:`token_span` (where a word sits in an answer), :func:`collect_batch` (the collector over many
+sequences in batches), reading the input file, greedy answers in batches, :func:`ig_lens_batch` (one readout pass
 for a whole batch), parquet shards written atomically, ``resume``, and the split of items over the
 ranks of ``torchrun`` / ``accelerate``. :func:`attribute_dataset` is the entry point; the command
 line's ``--dataset`` calls it.
@@ -21,8 +24,204 @@ import numpy as np
 import torch
 
 from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_quantity, _check_sequence,
-                         _check_steps, _context_length, check_foil, _prompt_ids, check_layers, collect_batch, encode, ig_lens,
-                         model_fingerprint, stop_token_ids)
+                         _check_steps, _context_length, _logits_at_end, _stream_hooks, check_foil,
+                         check_layers, get_adapter, ig_lens, model_fingerprint, precision)
+
+
+# ---------------------------------------------------------------------------
+# Inputs: prompts, answers and batches of traces
+# ---------------------------------------------------------------------------
+
+_END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """EOS plus the end-of-turn tokens of the common chat formats that this vocabulary has."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[tok] for tok in _END_OF_TURN if tok in vocab)
+    return sorted(ids)
+
+
+def _as_ids(encoded) -> list[int]:
+    # transformers 5.x returns a mapping from apply_chat_template; 4.x a list
+    if hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    if isinstance(encoded, torch.Tensor):
+        encoded = encoded.tolist()
+    if encoded and isinstance(encoded[0], list):
+        encoded = encoded[0]
+    return list(encoded)
+
+
+def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
+           chat: bool = True, max_new_tokens: int = 32) -> tuple[torch.Tensor, int]:
+    """Token ids of prompt + answer, and where the answer starts.
+
+    Args:
+        prompt: the user message (``chat=True``) or raw text.
+        answer: teacher-forced answer text; ``None`` generates the model's greedy answer
+            (KV cache, stops at EOS / end-of-turn, which is not included).
+        model: needed when ``answer is None``.
+        chat: use the tokenizer's chat template when it has one.
+
+    Returns:
+        ``input_ids`` (1, L) long and ``prompt_len``: answer tokens are ``input_ids[0, prompt_len:]``.
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"prompt must be a non-empty string, got {type(prompt).__name__} {prompt!r}")
+    if answer is not None and (not isinstance(answer, str) or not answer.strip()):
+        raise ValueError(f"answer must be a non-empty string or None (greedy), got {answer!r}")
+    prompt_ids = _prompt_ids(tokenizer, prompt, chat)
+    if answer is not None:
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if not answer_ids:
+            raise ValueError(f"answer {answer!r} tokenizes to no tokens")
+    else:
+        if model is None:
+            raise ValueError("encode(answer=None) generates the greedy answer and needs model=")
+        answer_ids = greedy_answer(model, tokenizer, prompt_ids, max_new_tokens)
+        if not answer_ids:
+            raise ValueError(f"the model's greedy answer to {prompt!r} is empty (it stopped at once)")
+    input_ids = torch.tensor([prompt_ids + answer_ids], dtype=torch.long)
+    return input_ids, len(prompt_ids)
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of the prompt: the chat template's user turn and generation prompt, or raw
+    text with the tokenizer's BOS (restored when the tokenizer forgets it)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return _as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True))
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and prompt_ids[:1] != [bos]:
+        prompt_ids = [bos] + prompt_ids
+    return prompt_ids
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int = 32) -> list[int]:
+    """Greedy decoding with a KV cache; returns the new tokens without the stop token."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids)], device=device)
+    stops = stop_token_ids(tokenizer)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=stops, pad_token_id=stops[0] if stops else None,
+                         use_cache=True)
+    new = out[0, ids.shape[1]:].tolist()
+    while new and new[-1] in stops:
+        new.pop()
+    return new
+
+
+def token_span(tokenizer, ids: Sequence[int], text: str, *, ignore_case: bool = True) -> Optional[tuple[int, int]]:
+    """Token indices ``(start, stop)`` of the first occurrence of ``text`` in ``decode(ids)``.
+
+    ``ids[start]`` is the token holding the first character of ``text`` (with a leading space
+    token such as ``" Paris"`` this is that token) and ``ids[stop - 1]`` the one holding its last.
+
+    Args:
+        ids: token ids, e.g. an answer ``input_ids[0, prompt_len:]``.
+        text: the substring to find, e.g. a fact's object.
+        ignore_case: match case-insensitively ("Hydrogen" for "hydrogen").
+
+    Returns:
+        ``(start, stop)`` or None when ``text`` does not occur.
+    """
+    if not text:
+        raise ValueError("text must be a non-empty string")
+    ids = [int(i) for i in ids]
+    decoded = tokenizer.decode(ids)
+    at = (decoded.lower().find(text.lower()) if ignore_case else decoded.find(text))
+    if at < 0:
+        return None
+    ends = [len(tokenizer.decode(ids[:k + 1])) for k in range(len(ids))]  # decoded prefix lengths
+    start = next(k for k, end in enumerate(ends) if end > at)
+    stop = next(k for k, end in enumerate(ends) if end >= at + len(text)) + 1
+    return start, stop
+
+
+@torch.no_grad()
+def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch_size: int = 8,
+                  sublayer: bool = False, pad_token_id: int = 0) -> list[Trace]:
+    """:func:`collect` for many sequences, ``batch_size`` at a time; the same traces.
+
+    Sequences of similar length are batched together (order restored on return), LEFT-padded
+    with an attention mask, and given ``position_ids = cumsum(mask) - 1`` (clamped at 0 on the
+    padding) explicitly: Hugging Face models count positions from the first column of the batch
+    whatever the mask says, which shifts learned absolute positions (GPT-2) of padded rows.
+    Padding is never attended to and never recorded.
+
+    Args:
+        sequences: ``(input_ids (1, L) or (L,), prompt_len)`` pairs, as :func:`encode` returns.
+        batch_size: sequences per forward pass (>= 1).
+        sublayer: also record the residual between attention and MLP of each block.
+        pad_token_id: id placed on the padding (any valid id: it is masked out).
+
+    Returns:
+        One :class:`Trace` per sequence, in input order, equal to ``collect(model, *sequence)``
+        up to float rounding of the batched matrix products.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    checked = [(_check_sequence(model, ids, prompt_len), int(prompt_len))
+               for ids, prompt_len in sequences]
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    device = next(model.parameters()).device
+    fingerprint = model_fingerprint(model)
+    order = sorted(range(len(checked)), key=lambda i: checked[i][0].shape[1])
+    traces: list[Optional[Trace]] = [None] * len(checked)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(checked[i][0].shape[1] for i in chunk)
+        input_ids = torch.full((len(chunk), width), int(pad_token_id), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids = checked[i][0][0]
+            input_ids[row, width - len(ids):] = ids
+            mask[row, width - len(ids):] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        # left padding: every row's positions lie in the last max(T) + 1 columns
+        keep = max(checked[i][0].shape[1] - checked[i][1] for i in chunk) + 1
+        stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
+        mids: list[Optional[torch.Tensor]] = [None] * n
+        hooks = _stream_hooks(adapter, lambda index, tensor: stream.__setitem__(index, tensor.detach()),
+                              (lambda layer, tensor: mids.__setitem__(layer, tensor.detach()))
+                              if sublayer else None)
+        try:
+            logits = _logits_at_end(model, keep, input_ids=input_ids.to(device),
+                                    attention_mask=mask.to(device), position_ids=position_ids.to(device))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for row, i in enumerate(chunk):
+            ids, prompt_len = checked[i]
+            length = ids.shape[1]
+            positions = torch.arange(prompt_len - 1, length - 1)
+            picked = positions + width - length  # the same positions in the padded row
+            work = precision(stream[0].dtype)
+            # with device_map="auto" the blocks (and the head) may sit on different devices
+            hidden = torch.stack([s[row, picked.to(s.device)].cpu() for s in stream]).to(work)  # (n+1, T, d)
+            if not torch.isfinite(hidden).all():
+                raise ValueError("the hidden states contain NaN or inf; check the model's dtype "
+                                 "and weights")
+            targets = ids[0, prompt_len:].cpu()
+            columns = (picked - (width - keep)).to(logits.device)
+            probs = torch.softmax(logits[row, columns].to(precision(logits.dtype)), -1)
+            model_probs = probs.gather(-1, targets[:, None].to(logits.device))[:, 0].cpu()
+            mid = (torch.stack([s[row, picked.to(s.device)].cpu() for s in mids]).to(work)
+                   if sublayer else None)
+            traces[i] = Trace(ids.cpu(), prompt_len, targets, positions, hidden, model_probs, mid,
+                              model_fingerprint=fingerprint)
+    return traces
+
+
+# ---------------------------------------------------------------------------
+# Datasets: many prompts in one call, batched, resumable, on one process or many
+# ---------------------------------------------------------------------------
 
 
 def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[int]] = None,

@@ -251,3 +251,141 @@ def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: i
         lines.append(f"{'  lens':<{width}}" + "".join(f"{attribution.lens[t, j + 1]:>7.3f}" for j in shown))
     lines.append(f"telescoping residual max|sum - Δp| = {attribution.residual:.2e}")
     return "\n".join(lines)
+
+
+def plot_ablation_test(per_item, ablated: Sequence[dict], methods: Sequence[str], *, key_method: str,
+                       title: str, n_boot: int = 2000, seed: int = 0):
+    """Notebook 05's ablation figure: per method, the onset test's rate and Spearman(score, effect)
+    by ablation mode (bars with bootstrap intervals), and where the mean IG-Lens term and the mean
+    ablation effect sit over the blocks.
+
+    Args:
+        per_item: one row per (item, method, mode) with ``beats_median`` and ``spearman``.
+        ablated: the items' records, each with ``effects`` {mode: (n,)} and ``scores`` {method: (n,)}.
+        methods: the methods in display order; key_method: the IG-Lens method drawn as bars.
+    """
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+    modes = list(ablated[0]["effects"])
+    long = per_item.melt(id_vars=["method", "mode"], value_vars=["beats_median", "spearman"],
+                         var_name="metric", value_name="value")
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2), constrained_layout=True, width_ratios=[1, 1, 1.1])
+    palette = dict(zip(modes, ["tab:red", "tab:purple", "tab:orange"]))
+    for ax, metric, label in [(axes[0], "beats_median", "onset beats median lower-scored block (rate)"),
+                              (axes[1], "spearman", "Spearman(score, ablation effect)")]:
+        sns.barplot(data=long[long.metric == metric], y="method", x="value", hue="mode", order=list(methods),
+                    palette=palette, errorbar=("ci", 95), n_boot=n_boot, seed=seed, ax=ax)
+        ax.set_xlabel(label)
+        ax.set_ylabel("")
+        ax.axvline(0.5 if metric == "beats_median" else 0.0, color="grey", ls="--", lw=0.8)
+    axes[0].legend_.remove()  # one figure legend below: the colours are shared
+    axes[1].legend_.remove()
+    axes[1].set_yticks([])
+    blocks = np.arange(1, len(ablated[0]["scores"][key_method]) + 1)
+    for mode in modes:
+        mean_effect = np.mean([r["effects"][mode] for r in ablated], 0)
+        axes[2].plot(blocks, mean_effect / np.abs(mean_effect).max(), color=palette[mode],
+                     label=f"ablation effect ({mode})")
+    mean_iglens = np.mean([r["scores"][key_method] for r in ablated], 0)
+    axes[2].bar(blocks, mean_iglens / np.abs(mean_iglens).max(), color="tab:blue", alpha=0.5,
+                label="IG-Lens term (prediction-aware)")
+    axes[2].axhline(0, color="black", lw=0.6)
+    axes[2].set_xlabel("block")
+    axes[2].set_ylabel("mean over items, scaled to its largest |value|")
+    fig.legend(*axes[2].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=9)
+    axes[2].set_title("where each kind of evidence sits", fontsize=10)
+    fig.suptitle(title)
+    return fig
+
+
+def plot_patching(patched: Sequence[dict], per_patch, methods: Sequence[str], *, title: str,
+                  n_boot: int = 2000, seed: int = 0):
+    """Notebook 05's patching figure: median restoration curve r(L) against the IG-Lens cumulative
+    rise, the onset minus the restoration half layer, and each method's "within 2 layers" rate.
+
+    Args:
+        patched: the items' records, each with ``patch`` (``restoration`` (n+1,), ``half``), ``lens``
+            (n+1,), ``delta_p`` and ``onset``.
+        per_patch: one row per (item, method) with ``within2``; methods: display order.
+    """
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.0), constrained_layout=True, width_ratios=[1.1, 1, 1])
+    nodes = np.arange(len(patched[0]["lens"]))
+    restored = np.array([r["patch"]["restoration"] for r in patched])
+    rise = np.array([(r["lens"] - r["lens"][0]) / r["delta_p"] if r["delta_p"] else np.full(len(nodes), np.nan)
+                     for r in patched])
+    for values, color, label in [(restored, "tab:green", "restoration r(L) (patching)"),
+                                 (rise, "tab:blue", "logit-lens rise (f(h_L) - f(h_0)) / Δp (IG-Lens cumulative)")]:
+        axes[0].plot(nodes, np.nanmedian(values, 0), color=color, label=label)
+        axes[0].fill_between(nodes, *np.nanquantile(values, [0.25, 0.75], 0), color=color, alpha=0.15)
+    axes[0].axhline(0.5, color="grey", ls="--", lw=0.8)
+    axes[0].set_xlabel("node L (0 = embedding)")
+    axes[0].set_ylabel("median over items (band: quartiles)")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("what comes back vs what the head reads", fontsize=10)
+    diff = np.array([r["onset"] - r["patch"]["half"] for r in patched])
+    axes[1].hist(diff, bins=np.arange(diff.min() - 0.5, diff.max() + 1.5), color="tab:blue", alpha=0.7)
+    axes[1].axvline(0, color="black", lw=0.8)
+    axes[1].set_xlabel("IG-Lens onset − restoration half layer")
+    axes[1].set_ylabel("items")
+    sns.barplot(data=per_patch, y="method", x="within2", order=list(methods), color="tab:green",
+                errorbar=("ci", 95), n_boot=n_boot, seed=seed, ax=axes[2])
+    axes[2].set_xlabel("named layer within 2 of the restoration half layer (rate)")
+    axes[2].set_ylabel("")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_additivity_gap(gaps: Mapping[str, np.ndarray], *, title: str, floor: float = 1e-10, seed: int = 0):
+    """Notebook 04's figure: per method, every answer token's |Σ over blocks - Δp| (log scale, jittered
+    rows, the median as a black bar; IG-Lens methods in red).
+
+    Args:
+        gaps: method name -> (tokens,) gaps; floor: smallest value drawn (exact zeros sit there).
+    """
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.6), constrained_layout=True)
+    rng = np.random.default_rng(seed)
+    names = list(gaps)
+    for row, name in enumerate(names):
+        values = np.clip(gaps[name], floor, None)
+        ax.scatter(values, row + rng.uniform(-0.25, 0.25, len(values)), s=10, alpha=0.6,
+                   color="C3" if name.startswith("IG-Lens") else "C0")
+        ax.plot([np.median(values)] * 2, [row - 0.35, row + 0.35], color="k", lw=2)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.axvline(1e-6, color="grey", ls=":", lw=1)
+    ax.set_xlabel(f"|Σ over blocks - Δp| per answer token (probability; DLA in logits; floor {floor:g})")
+    ax.set_title(title)
+    return fig
+
+
+def plot_decisive_blocks(onset: np.ndarray, decisive: Mapping[str, np.ndarray], n_blocks: int, *, title: str,
+                         columns: int = 3):
+    """Notebook 04's figure: one panel per method, its decisive block (largest |term|) against the
+    IG-Lens onset, one point per token.
+
+    Args:
+        onset: (tokens,) IG-Lens onset blocks; decisive: method -> (tokens,) blocks 1..n.
+    """
+    import matplotlib.pyplot as plt
+    names = list(decisive)
+    rows = -(-len(names) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(10, 3.2 * rows), sharex=True, sharey=True,
+                             constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
+        ax.plot([1, n_blocks], [1, n_blocks], color="grey", lw=0.8, ls=":")
+        ax.scatter(onset, decisive[name], s=12, alpha=0.6)
+        ax.set_title(name, fontsize=9)
+    for column in axes.T:  # the x label under the lowest panel of each column, where its ticks are
+        lowest = [ax for ax in column if ax.get_visible()][-1]
+        lowest.set_xlabel("IG-Lens onset (block)")
+        lowest.xaxis.set_tick_params(labelbottom=True)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("largest |term| (block)")
+    fig.suptitle(title)
+    return fig

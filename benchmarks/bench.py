@@ -524,10 +524,10 @@ def item4_gradient(ctx) -> None:
 def item5_generate(ctx) -> None:
     model, tokenizer, args = ctx.model, ctx.tokenizer, ctx.args
     n_new = 64
-    ids, prompt_len = ig.encode(tokenizer, STORY, None, model=model, max_new_tokens=n_new)
+    ids, prompt_len = igd.encode(tokenizer, STORY, None, model=model, max_new_tokens=n_new)
     answer = ids[0, prompt_len:].tolist()
     prompt_ids = ids[0, :prompt_len].tolist()
-    stops = set(ig.stop_token_ids(tokenizer))
+    stops = set(igd.stop_token_ids(tokenizer))
 
     def recompute():
         seq = torch.tensor([prompt_ids], device=ctx.device)
@@ -540,14 +540,14 @@ def item5_generate(ctx) -> None:
 
     tokens, first = timed(recompute, ctx.device)
     same = tokens == answer
-    best = best_of({"cache": lambda: ig.encode(tokenizer, STORY, None, model=model, max_new_tokens=n_new),
+    best = best_of({"cache": lambda: igd.encode(tokenizer, STORY, None, model=model, max_new_tokens=n_new),
                     "recompute": recompute}, max(1, args.repeats - 2), ctx.device, warmup=False)
     best["recompute"] = min(best["recompute"], first)
     if args.repeats > 2:
-        best["cache"] = min(best["cache"], best_of({"cache": lambda: ig.encode(
+        best["cache"] = min(best["cache"], best_of({"cache": lambda: igd.encode(
             tokenizer, STORY, None, model=model, max_new_tokens=n_new)}, 1, ctx.device, warmup=False)["cache"])
     ratio = best["recompute"] / best["cache"]
-    add(f"5. greedy answer, KV cache (ig.encode) vs re-running the sequence per token "
+    add(f"5. greedy answer, KV cache (igd.encode) vs re-running the sequence per token "
         f"({len(answer)} new tokens after {prompt_len}; same tokens: {same})",
         fmt_time(best["cache"]), fmt_time(best["recompute"]), f"{ratio:.1f}x faster", ">= 5x",
         ratio >= 5)
@@ -760,7 +760,7 @@ def _dataset_floor_flops(model, tokenizer, facts) -> tuple[float, float, int]:
     n, blocks, head, tokens = adapter.n_layers, 0.0, 0.0, 0
     d, V = adapter.head.weight.shape[1], adapter.head.weight.shape[0]
     for item in facts.itertuples():
-        ids, prompt_len = ig.encode(tokenizer, item.prompt, item.answer)
+        ids, prompt_len = igd.encode(tokenizer, item.prompt, item.answer)
         L, T = ids.shape[1], ids.shape[1] - prompt_len
         blocks += 2 * params * L + 4 * L * L * width * n
         head += 2 * d * V * T * (n + 1)
@@ -775,7 +775,7 @@ def item10_dataset(ctx) -> None:
 
     def plain_loop():  # what a new user writes
         for item in facts.itertuples():
-            ids, prompt_len = ig.encode(tokenizer, item.prompt, item.answer)
+            ids, prompt_len = igd.encode(tokenizer, item.prompt, item.answer)
             ig.ig_lens(model, ig.collect(model, ids, prompt_len))
 
     def dataset(items=facts):
@@ -857,7 +857,7 @@ def item11_components(ctx) -> None:
     from captum.attr import LayerIntegratedGradients
     model, tokenizer, readout, args = ctx.model, ctx.tokenizer, ctx.readout, ctx.args
     m = 16
-    input_ids, prompt_len = ig.encode(tokenizer, PROMPT, ANSWER)
+    input_ids, prompt_len = igd.encode(tokenizer, PROMPT, ANSWER)
     trace = ig.collect_components(model, input_ids, prompt_len)
     with_sources = ig.collect_components(model, input_ids, prompt_len, sources=True)
     n, T = trace.n_layers, len(trace.targets)
@@ -948,10 +948,10 @@ def item12_patching(ctx) -> None:
     """Activation patching of every node of one fact vs a naive loop of spliced full forward passes."""
     import iglens_compare as cmp
     model, tokenizer = ctx.model, ctx.tokenizer
-    ids, prompt_len = ig.encode(tokenizer, "What is the capital of France?", "The capital of France is Paris.")
-    focus = prompt_len + ig.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
+    ids, prompt_len = igd.encode(tokenizer, "What is the capital of France?", "The capital of France is Paris.")
+    focus = prompt_len + igd.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
     trace = ig.collect(model, ids[:, :focus + 1], focus)
-    corrupted, _ = ig.encode(tokenizer, "What is the capital of Greece?", "The capital of Greece is Paris.")
+    corrupted, _ = igd.encode(tokenizer, "What is the capital of Greece?", "The capital of Greece is Paris.")
     corrupted = corrupted[:, :focus].to(ctx.device)  # same length: "Greece" and "France" are one token each
     adapter = ig.get_adapter(model)
     n = adapter.n_layers
@@ -990,7 +990,7 @@ def item13_causal_trace(ctx) -> None:
     import iglens_compare as cmp
     model, tokenizer = ctx.model, ctx.tokenizer
     template = "As every atlas and every school book agrees, the capital city of the country of {} is the city of"
-    clean, corrupted = (torch.tensor([ig._prompt_ids(tokenizer, template.format(c), False)], device=ctx.device)
+    clean, corrupted = (torch.tensor([igd._prompt_ids(tokenizer, template.format(c), False)], device=ctx.device)
                         for c in ("France", "Greece"))  # same length: one token each
     target = tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
     adapter = ig.get_adapter(model)
@@ -1078,7 +1078,7 @@ def main(argv=None) -> int:
     ctx = SimpleNamespace(args=args, device=device, dtype=dtype, model_label=args.model)
     if only != {6}:  # every other item uses the embedded model and the Vietnam trace
         ctx.model, ctx.tokenizer = ig.load_model(args.model, device=str(device), dtype=dtype)
-        input_ids, prompt_len = ig.encode(ctx.tokenizer, PROMPT, ANSWER)
+        input_ids, prompt_len = igd.encode(ctx.tokenizer, PROMPT, ANSWER)
         ctx.trace = ig.collect(ctx.model, input_ids, prompt_len)
         ctx.readout = ig.Readout(ctx.model)
     for number, item in ITEMS.items():

@@ -68,7 +68,7 @@ def test_ablation_equals_rerun_from_replaced_stream(arch, mode):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_zero_ablation_equals_model_without_that_block(arch):
-    model = ig.tiny_model(arch, seed=1)  # init_scale 0.3: blocks move the probabilities a lot
+    model = cmp.tiny_model(arch, seed=1)  # init_scale 0.3: blocks move the probabilities a lot
     trace = random_trace(model, seed=4)
     effects = cmp.ablation_effects(model, trace, batch_size=4)
     for layer in range(1, trace.n_layers + 1):
@@ -107,7 +107,7 @@ def test_part_ablation_equals_zeroed_output_projection(arch, part):
 
 
 def test_parts_differ_and_do_not_add_to_block():
-    model = ig.tiny_model("llama", seed=3)
+    model = cmp.tiny_model("llama", seed=3)
     trace = random_trace(model)
     attn, mlp = (cmp.ablation_effects(model, trace, part=part) for part in ("attn", "mlp"))
     assert (attn - mlp).abs().max() > 1e-3
@@ -115,7 +115,7 @@ def test_parts_differ_and_do_not_add_to_block():
 
 @pytest.mark.parametrize("mode", ["zero", "mean"])
 def test_ablating_a_block_that_does_nothing_changes_nothing(mode):
-    model = ig.tiny_model("llama", seed=0)
+    model = cmp.tiny_model("llama", seed=0)
     for part in ("self_attn.o_proj", "mlp.down_proj"):
         _zero_weights(ig.get_adapter(model).blocks[1].get_submodule(part))
     trace = random_trace(model)
@@ -127,7 +127,7 @@ def test_ablating_a_block_that_does_nothing_changes_nothing(mode):
 
 
 def test_hooks_are_removed_and_batching_does_not_matter():
-    model = ig.tiny_model("gpt2", seed=0)
+    model = cmp.tiny_model("gpt2", seed=0)
     trace = random_trace(model)
     before = _probs(model, trace)
     one = cmp.ablation_effects(model, trace, batch_size=1)

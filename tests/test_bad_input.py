@@ -1,6 +1,5 @@
 """Every bad input raises a ValueError that names the value and the valid range."""
 import copy
-import os
 
 import pytest
 import torch
@@ -66,9 +65,9 @@ def test_nan_hidden_states():
 def test_empty_prompt_and_answer(packaged):
     _, tokenizer = packaged
     with pytest.raises(ValueError, match="prompt must be a non-empty string"):
-        ig.encode(tokenizer, "  ", "x")
+        igd.encode(tokenizer, "  ", "x")
     with pytest.raises(ValueError, match="answer must be a non-empty string"):
-        ig.encode(tokenizer, "Hi?", "")
+        igd.encode(tokenizer, "Hi?", "")
 
 
 def test_unknown_architecture():
@@ -92,7 +91,7 @@ def test_token_ids_outside_the_vocabulary_and_float_ids():
     with pytest.raises(ValueError, match=r"token ids must lie in 0\.\.96.*\[97\]"):
         ig.collect(model, torch.tensor([[1, 2, 97, 3]]), 2)
     with pytest.raises(ValueError, match=r"0\.\.96.*\[-1\]"):
-        ig.collect_batch(model, [(torch.tensor([1, -1, 3]), 1)])
+        igd.collect_batch(model, [(torch.tensor([1, -1, 3]), 1)])
     with pytest.raises(ValueError, match=r"integer token ids, got dtype torch.float32"):
         ig.collect(model, torch.tensor([[1.0, 2.0, 3.0]]), 1)
 
@@ -187,15 +186,15 @@ def test_prompt_len_must_be_an_integer(setup, bad):
     with pytest.raises(ValueError, match=r"prompt_len must be in 1\.\.11.*integer, got"):
         ig.collect(model, trace.input_ids, bad)
     with pytest.raises(ValueError, match=r"prompt_len must be in 1\.\.11.*integer, got"):
-        ig.collect_batch(model, [(trace.input_ids, bad)])
+        igd.collect_batch(model, [(trace.input_ids, bad)])
 
 
 def test_encode_types(packaged):
     _, tokenizer = packaged
     with pytest.raises(ValueError, match=r"prompt must be a non-empty string, got list \['a', 'b'\]"):
-        ig.encode(tokenizer, ["a", "b"])
+        igd.encode(tokenizer, ["a", "b"])
     with pytest.raises(ValueError, match=r"answer must be a non-empty string or None.*got 5"):
-        ig.encode(tokenizer, "q", answer=5)
+        igd.encode(tokenizer, "q", answer=5)
 
 
 @pytest.mark.parametrize("budget", [0, -5, 2.5, True])
@@ -225,9 +224,9 @@ def test_trace_or_readout_of_another_model_of_the_same_sizes(setup):
     # the same model in float64, or a trace from collect_batch, is accepted
     double = copy.deepcopy(model).double()
     ig.ig_lens(double, trace)
-    ig.ig_lens(model, ig.collect_batch(model, [(trace.input_ids, 5)])[0])
+    ig.ig_lens(model, igd.collect_batch(model, [(trace.input_ids, 5)])[0])
     with pytest.raises(ValueError, match=match):
-        ig.ig_lens(other, ig.collect_batch(model, [(trace.input_ids, 5)])[0])
+        ig.ig_lens(other, igd.collect_batch(model, [(trace.input_ids, 5)])[0])
 
 
 def test_patching_refuses_a_gap_below_rounding(setup):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import iglens_core as ig
+import iglens_data as igd
 from conftest import ARCHS, tiny_model
 
 
@@ -19,7 +20,7 @@ def _sequences(model, lengths, seed=0):
 def test_batched_traces_equal_single_traces(arch):
     model = tiny_model(arch, seed=ARCHS.index(arch))
     sequences = _sequences(model, [12, 5, 9, 17, 7, 12, 3])
-    batched = ig.collect_batch(model, sequences, batch_size=3, sublayer=True)
+    batched = igd.collect_batch(model, sequences, batch_size=3, sublayer=True)
     assert len(batched) == len(sequences)
     for (ids, prompt_len), got in zip(sequences, batched):
         want = ig.collect(model, ids, prompt_len, sublayer=True)
@@ -43,7 +44,7 @@ def test_positions_matter_for_absolute_position_models():
         naive = model(input_ids=padded, attention_mask=mask).logits[0, -1]
         single = model(input_ids=short).logits[0, -1]
     assert (naive - single).abs().max() > 1e-3
-    got = ig.collect_batch(model, [(short, prompt_len), (long, 5)], batch_size=2)[0]
+    got = igd.collect_batch(model, [(short, prompt_len), (long, 5)], batch_size=2)[0]
     torch.testing.assert_close(got.model_probs, ig.collect(model, short, prompt_len).model_probs,
                                atol=1e-5, rtol=1e-5)
 
@@ -51,7 +52,7 @@ def test_positions_matter_for_absolute_position_models():
 def test_batch_of_traces_feeds_ig_lens():
     model = tiny_model("llama")
     sequences = _sequences(model, [10, 6])
-    for trace in ig.collect_batch(model, sequences):
+    for trace in igd.collect_batch(model, sequences):
         attribution = ig.ig_lens(model, trace)
         assert attribution.residual < 1e-6
         torch.testing.assert_close(attribution.p_final, trace.model_probs, atol=1e-5, rtol=1e-5)
@@ -60,6 +61,6 @@ def test_batch_of_traces_feeds_ig_lens():
 def test_bad_batch_input():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="batch_size"):
-        ig.collect_batch(model, _sequences(model, [6]), batch_size=0)
+        igd.collect_batch(model, _sequences(model, [6]), batch_size=0)
     with pytest.raises(ValueError, match="prompt_len"):
-        ig.collect_batch(model, [(torch.arange(5), 5)])
+        igd.collect_batch(model, [(torch.arange(5), 5)])

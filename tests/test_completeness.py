@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import iglens_core as ig
+import iglens_data as igd
 from conftest import random_trace, tiny_model
 
 
@@ -62,7 +63,7 @@ def test_onset_is_first_half_crossing():
 
 def test_packaged_model_completeness(packaged):
     model, tokenizer = packaged
-    ids, prompt_len = ig.encode(tokenizer, "What is the capital of Vietnam?",
+    ids, prompt_len = igd.encode(tokenizer, "What is the capital of Vietnam?",
                                 "The capital of Vietnam is Hanoi.")
     trace = ig.collect(model, ids, prompt_len)
     for steps in (1, 16):

@@ -52,7 +52,7 @@ def test_batched_equals_per_item(tokenizer, arch, estimator, baseline):
     assert errors.empty and list(results["id"].unique()) == list(facts["id"])
     for item in facts.itertuples():
         answer = item.answer if isinstance(item.answer, str) else None
-        ids, prompt_len = ig.encode(tokenizer, item.prompt, answer, model=model, max_new_tokens=5)
+        ids, prompt_len = igd.encode(tokenizer, item.prompt, answer, model=model, max_new_tokens=5)
         want = ig.ig_lens(model, ig.collect(model, ids, prompt_len), layers=[2], steps=4,
                           estimator=estimator, baseline=baseline)
         got = results[results["id"] == item.id]
@@ -179,8 +179,8 @@ def test_an_item_failing_inside_a_batch_is_isolated(tokenizer, monkeypatch):
     model = tiny_model("llama", seed=7, vocab_size=VOCAB)
     facts = _facts(5).dropna()
     clean, _ = igd.attribute_dataset(model, tokenizer, facts, layers=[2], steps=2, progress=False)
-    poisoned = ig.encode(tokenizer, facts["prompt"].iloc[1], facts["answer"].iloc[1])[0][0]
-    real = ig.collect_batch
+    poisoned = igd.encode(tokenizer, facts["prompt"].iloc[1], facts["answer"].iloc[1])[0][0]
+    real = igd.collect_batch
 
     def collect_batch(model, sequences, **kwargs):
         if any(torch.equal(torch.as_tensor(ids).flatten(), poisoned) for ids, _ in sequences):
@@ -351,7 +351,7 @@ def test_quantity_and_foils_equal_per_item(tokenizer, quantity):
     model = tiny_model("llama", seed=12, vocab_size=VOCAB)
     facts = _facts(5).dropna().reset_index(drop=True)
     facts["foil"] = [" Lyon", None, " Paris and Lyon", "", None][:len(facts)]
-    first = tokenizer.decode(ig.encode(tokenizer, facts["prompt"][3], facts["answer"][3])[0][0, -len(
+    first = tokenizer.decode(igd.encode(tokenizer, facts["prompt"][3], facts["answer"][3])[0][0, -len(
         tokenizer(facts["answer"][3], add_special_tokens=False)["input_ids"])].item())
     facts.loc[3, "foil"] = first  # the answer's first token
     results, errors = igd.attribute_dataset(model, tokenizer, facts, layers=[2], steps=3, batch_size=4,
@@ -361,7 +361,7 @@ def test_quantity_and_foils_equal_per_item(tokenizer, quantity):
     assert "the foil equals the target" in errors.set_index("id")["error"][facts["id"][3]]
     assert (results["quantity"] == quantity).all()
     for item in facts.drop([2, 3]).itertuples():
-        ids, prompt_len = ig.encode(tokenizer, item.prompt, item.answer)
+        ids, prompt_len = igd.encode(tokenizer, item.prompt, item.answer)
         foil = tokenizer(item.foil, add_special_tokens=False)["input_ids"][0] if item.foil else None
         want = ig.ig_lens(model, ig.collect(model, ids, prompt_len), layers=[2], steps=3,
                           quantity=quantity, foil=foil)

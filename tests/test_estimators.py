@@ -5,6 +5,7 @@ import torch
 from captum.attr import IntegratedGradients
 
 import iglens_core as ig
+import iglens_data as igd
 from conftest import random_trace, tiny_model
 
 GRADIENT = [e for e in ig.ESTIMATORS if e != "prediction_aware"]
@@ -95,7 +96,7 @@ def test_float32_estimators_match_float64_on_the_packaged_model(packaged):
     """
     import copy
     model, tokenizer = packaged
-    ids, prompt_len = ig.encode(tokenizer, "What is the capital of Vietnam?",
+    ids, prompt_len = igd.encode(tokenizer, "What is the capital of Vietnam?",
                                 "The capital of Vietnam is Hanoi.")
     trace = ig.collect(model, ids, prompt_len)
     model64 = copy.deepcopy(model).double()

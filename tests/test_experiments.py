@@ -3,7 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import iglens_core as ig
+import iglens_data as igd
 import iglens_compare as cmp
 
 
@@ -59,8 +59,9 @@ def test_load_facts_statement_mode(tmp_path):
     path = tmp_path / "facts.csv"
     facts.to_csv(path, index=False)
     loaded = cmp.load_facts(path, statement=True)
-    for row in loaded.itertuples():
-        assert (row.prompt + " " + row.object + ".") == row.answer  # the answer, cut before its object
+    for row, original in zip(loaded.itertuples(), facts.answer):
+        assert row.prompt + row.answer == original            # the answer, cut before its object
+        assert row.answer == " " + row.object + "."          # the rest, with its leading space
     assert list(cmp.load_facts(path).prompt) == list(facts.prompt)
 
 
@@ -81,13 +82,13 @@ def test_corrupt_subject(packaged):
         dict(relation="river", subject="Spain", prompt="-", object="Ebro"),  # another relation: excluded
     ])
     fact = pool.iloc[0]
-    clean, prompt_len = ig.encode(tokenizer, fact.prompt, "The capital of France is Paris.")
-    focus = prompt_len + ig.token_span(tokenizer, clean[0, prompt_len:], "Paris")[0]
+    clean, prompt_len = igd.encode(tokenizer, fact.prompt, "The capital of France is Paris.")
+    focus = prompt_len + igd.token_span(tokenizer, clean[0, prompt_len:], "Paris")[0]
     prefix = tokenizer.decode(clean[0, prompt_len:focus])
     for seed in range(4):  # whatever the order, the same-length subject wins
         ids, other, aligned = cmp.corrupt_subject(tokenizer, fact, pool, length=focus, answer_prefix=prefix, seed=seed)
         assert (other, aligned) == ("Greece", True)
-        expected, _ = ig.encode(tokenizer, "What is the capital of Greece?", "The capital of Greece is Paris.")
+        expected, _ = igd.encode(tokenizer, "What is the capital of Greece?", "The capital of Greece is Paris.")
         assert ids.tolist() == expected[:, :focus].tolist()
     ids, other, aligned = cmp.corrupt_subject(tokenizer, dict(fact),
                                               pool[pool.subject != "Greece"], length=focus, answer_prefix=prefix)
@@ -115,3 +116,28 @@ def test_bootstrap_table_against_bootstrap_ci():
     values = [0.5, -0.25, 0.1]
     est, low, high = cmp.bootstrap_ci(values, n_boot=50)
     assert cmp.format_ci(values, n_boot=50, signed=True) == f"{est:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
+def test_object_tokens_spell_the_object(packaged):
+    """The indices cover exactly the tokens whose text, joined, is the object (checked by decoding)."""
+    _, tokenizer = packaged
+    for answer, obj in [("The capital of Vietnam is Hanoi.", "Hanoi"), ("It is Paris", "Paris"),
+                        ("Water is H2O, chemically.", "H2O")]:
+        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        picked = cmp.object_tokens(tokenizer, answer, obj, len(ids))
+        assert picked and tokenizer.decode([ids[i] for i in picked]).strip() == obj
+        assert obj not in tokenizer.decode(ids[:picked[0]]) and picked[-1] < len(ids)
+    assert cmp.object_tokens(tokenizer, "The capital is Hanoi.", "Hanoi", 2) == []  # cut at n_tokens
+
+
+def test_verdict_table_matches_format_ci():
+    rng = np.random.default_rng(0)
+    per_item = pd.DataFrame(dict(method=np.repeat(["a", "b"], 20), mode="zero",
+                                 beats_median=rng.integers(0, 2, 40).astype(float), spearman=rng.normal(size=40)))
+    per_patch = pd.DataFrame(dict(method=np.repeat(["a", "b"], 10), distance=rng.integers(0, 9, 20).astype(float),
+                                  within2=rng.integers(0, 2, 20).astype(float), spearman_curve=rng.normal(size=20),
+                                  spearman_steps=rng.normal(size=20)))
+    table = cmp.verdict_table(per_item, per_patch, ["b", "a"], ["zero"], n_boot=200, seed=1).set_index("method")
+    assert list(table.index) == ["b", "a"]
+    assert table.loc["a", "zero: Spearman"] == cmp.format_ci(per_item.spearman[:20], n_boot=200, seed=1)
+    assert table.loc["b", "patch: within 2"] == cmp.format_ci(per_patch.within2[10:], n_boot=200, seed=1)

