@@ -612,6 +612,7 @@ def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resoluti
     return frame
 
 
+@torch.no_grad()  # components() on a post-norm model (Gemma) would build a graph otherwise
 def _item_parts(model, tokenizer, sequence, row: int, item_id: str, foil: Optional[str],
                 foil_id: Optional[int], *, resolution: str, top_k: int, **settings):
     """One item's parts table: :func:`collect_components` and :func:`components` of its
