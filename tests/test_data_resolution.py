@@ -176,3 +176,43 @@ def test_cli_on_the_packaged_model(tmp_path, tokenizer, packaged, capsys):
     for item in facts.itertuples():
         _check_item(model, tokenizer, item, parts[parts["id"] == item.id], results[results["id"] == item.id],
                     "source", 3, steps=4, estimator="prediction_aware")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama with the packaged tokenizer, saved as a model directory."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", seed=4, vocab_size=VOCAB).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_cli_views_name_the_quantity_and_show_the_sources(tmp_path, model_dir, capsys):
+    """``--dataset --quantity logprob --resolution source --html DIR``: each item's view is titled in
+    log-probability (not "probability", which Attribution.from_frame alone would say) and its
+    source panel holds the parts table's per-source totals and rest."""
+    from test_html import _embedded, _figure
+    facts = _facts(2)
+    csv, views, out = tmp_path / "items.csv", tmp_path / "views", tmp_path / "r.parquet"
+    facts.to_csv(csv, index=False)
+    views.mkdir()
+    assert igcli.main(["--dataset", str(csv), "--out", str(out), "--model", str(model_dir), "--steps", "2",
+                       "--quantity", "logprob", "--resolution", "source", "--top-k", "2", "--html", str(views)]) == 0
+    assert "interactive views: 2 files" in capsys.readouterr().out
+    parts = pd.read_parquet(igd.parts_path(out))
+    for item in facts["id"]:
+        text = (views / f"{item}.html").read_text(encoding="utf-8")
+        _, layout = _figure(text)
+        assert [a["text"] for a in layout["annotations"]][:1] == ["attribution (Δ log-probability (nats))"]
+        data = _embedded(text, "iglens-sources-data")
+        rows = parts[parts["id"] == item]
+        assert data["blocks"] == ["all blocks"]
+        for t, token_rows in rows.groupby("token_index"):
+            totals = token_rows[token_rows["kind"] == "source_total"]
+            got = np.array(data["by_source"][t])
+            np.testing.assert_array_equal(got[:len(totals)], totals["share"].to_numpy())
+            assert (got[len(totals):-1] == 0).all()
+            assert got[-1] == token_rows[token_rows["kind"] == "source_rest"]["share"].iloc[0]
+            np.testing.assert_array_equal(np.array(data["maps"][t][0]), got[:-1])
+        assert data["source_tokens"][:3] == rows[rows["kind"] == "source_total"].drop_duplicates(
+            "source_position")["source_token"].tolist()[:3]
