@@ -45,7 +45,10 @@ def _check_item(model, tokenizer, item, got, block_rows, resolution, top_k, foil
         assert block_rows[block_rows["token_index"] == t]["delta_p"].iloc[0] == pytest.approx(delta_p, abs=1e-5)
         whole = split[t].sum() + shares[t, :, -1].sum() + (want.attn if resolution == "neuron" else want.mlp)[t].double().sum()
         assert rows["parts_sum"].iloc[0] == pytest.approx(float(whole), abs=1e-9)
-        assert abs(rows["parts_sum"].iloc[0] - delta_p) < 1e-5  # complete at float32
+        # complete at float32, up to the estimator's float rounding that components() reports itself
+        # (up to 1.5e-5 for the packaged model's 30 blocks at float32)
+        own = want.residual_neurons if resolution == "neuron" else want.residual_heads
+        assert abs(rows["parts_sum"].iloc[0] - delta_p) < 1e-5 + own
         top = rows[rows["kind"] == resolution]
         assert top["rank"].tolist() == list(range(1, len(top) + 1))
         at = [top["block"].to_numpy(int) - 1]
@@ -64,8 +67,13 @@ def _check_item(model, tokenizer, item, got, block_rows, resolution, top_k, foil
         rest = rows[rows["kind"] == "rest"]["share"]
         assert len(rest) == 1 and rest.iloc[0] + top["share"].sum() == pytest.approx(delta_p, abs=1e-12)
         if resolution == "source":
-            heads = rows[rows["kind"] == "head_total"]
-            np.testing.assert_array_equal(heads["share"].to_numpy(), shares[t, :, :-1].reshape(-1).numpy())
+            heads = rows[rows["kind"] == "head_total"]  # every head not tied with 0, in (block, head) order
+            every = shares[t, :, :-1].reshape(-1).numpy()
+            kept = np.abs(every) > ig.tie_tolerance(np.append(np.abs(every), 0.0))[0]
+            np.testing.assert_array_equal(heads["share"].to_numpy(), every[kept])
+            H = shares.shape[-1] - 1
+            np.testing.assert_array_equal((heads["block"].to_numpy(int) - 1) * H + heads["head"].to_numpy(int),
+                                          np.flatnonzero(kept))
             totals = rows[rows["kind"] == "source_total"]
             moved = want.by_source()[t].double()
             position = int(want.positions[t])
