@@ -575,7 +575,7 @@ def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resoluti
     source_tokens = [tokenizer.decode([i]) for i in ids]
     tokens = [tokenizer.decode([i]) for i in parts.targets.tolist()]
     moved = parts.by_source().double() if resolution == "source" else None  # (T, S + 1)
-    columns = {name: [] for name in _PART_COLUMNS[2:-3]}
+    columns = {name: [] for name in _PART_COLUMNS if name not in ("row", "id", "quantity", "foil", "shard")}
 
     def add(t, kind, share, rank=None, block=None, head=None, neuron=None, source=None):
         for name, value in (("token_index", t), ("position", int(parts.positions[t])),
@@ -729,7 +729,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         out: the final results file (must end in ``.parquet``), or None to write nothing.
         resume: skip the ids already in ``OUT.parts/``. The settings that decide the numbers
             (:func:`run_settings`: model name and fingerprint, layers, estimator, baseline,
-            steps, chat, max_new_tokens) are kept in ``OUT.parts/settings.json``; resuming with
+            steps, chat, max_new_tokens, quantity, resolution, top_k) are kept in ``OUT.parts/settings.json``; resuming with
             other ones raises ValueError listing what differs, and so do shards without it.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).

@@ -6,20 +6,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import transformers
 
 import iglens_cli as igcli
 import iglens_core as ig
 import iglens_data as igd
 from conftest import tiny_model
+from test_dataset import VOCAB, model_dir, tokenizer  # noqa: F401 (fixtures: the packaged tokenizer, a tiny Llama dir)
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 49152  # the packaged SmolLM2 tokenizer's
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(ig.resolve_model_path(ig.DEFAULT_MODEL))
 
 
 def _facts(n=3):
@@ -184,15 +178,6 @@ def test_cli_on_the_packaged_model(tmp_path, tokenizer, packaged, capsys):
     for item in facts.itertuples():
         _check_item(model, tokenizer, item, parts[parts["id"] == item.id], results[results["id"] == item.id],
                     "source", 3, steps=4, estimator="prediction_aware")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    """A tiny random Llama with the packaged tokenizer, saved as a model directory."""
-    folder = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", seed=4, vocab_size=VOCAB).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_cli_views_name_the_quantity_and_show_the_sources(tmp_path, model_dir, capsys):

@@ -103,10 +103,10 @@ def test_bad_input(tmp_path):
     assert not (tmp_path / "view.html").exists()
 
 
-def test_cli_writes_the_view(tmp_path, monkeypatch, capsys):
-    """``--html`` writes the layer and sublayer views of the prompt (model and tokenizer stubbed)."""
+def _stub_cli(monkeypatch, seed):
+    """The command line on a tiny Llama and 9 random token ids (prompt 4), model and tokenizer stubbed."""
     model = tiny_model("llama")
-    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
     monkeypatch.setattr(igcli, "encode", lambda *args, **kwargs: (ids, 4))
     monkeypatch.setattr(ig.Trace, "tokens", lambda self, tokenizer: [str(t) for t in self.targets.tolist()])
 
@@ -114,6 +114,12 @@ def test_cli_writes_the_view(tmp_path, monkeypatch, capsys):
         def decode(self, ids):
             return str(list(ids))
     monkeypatch.setattr(igcli, "load_model", lambda name: (model, Decode()))
+    return model, ids
+
+
+def test_cli_writes_the_view(tmp_path, monkeypatch, capsys):
+    """``--html`` writes the layer and sublayer views of the prompt (model and tokenizer stubbed)."""
+    model, ids = _stub_cli(monkeypatch, seed=2)
     out = tmp_path / "cli.html"
     assert igcli.main(["a prompt", "--html", str(out)]) == 0
     data, _ = _figure(out.read_text(encoding="utf-8"))
@@ -204,15 +210,7 @@ def test_source_panel_bad_input(tmp_path):
 
 def test_cli_prompt_source_panel(tmp_path, monkeypatch, capsys):
     """``iglens PROMPT --html F --resolution source`` adds the panel of components(resolution="source")."""
-    model = tiny_model("llama")
-    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(igcli, "encode", lambda *args, **kwargs: (ids, 4))
-    monkeypatch.setattr(ig.Trace, "tokens", lambda self, tokenizer: [str(t) for t in self.targets.tolist()])
-
-    class Decode:
-        def decode(self, ids):
-            return str(list(ids))
-    monkeypatch.setattr(igcli, "load_model", lambda name: (model, Decode()))
+    model, ids = _stub_cli(monkeypatch, seed=3)
     out = tmp_path / "cli.html"
     assert igcli.main(["a prompt", "--html", str(out), "--resolution", "source", "--steps", "3"]) == 0
     data = _embedded(out.read_text(encoding="utf-8"), "iglens-sources-data")
