@@ -209,3 +209,23 @@ def test_cli_views_name_the_quantity_and_show_the_sources(tmp_path, model_dir, c
             np.testing.assert_array_equal(np.array(data["maps"][t][0]), got[:-1])
         assert data["source_tokens"][:3] == rows[rows["kind"] == "source_total"].drop_duplicates(
             "source_position")["source_token"].tolist()[:3]
+
+
+def test_an_item_failing_in_components_is_an_error_row(tokenizer, monkeypatch):
+    """components() refusing one item (e.g. an attention it cannot split) makes it an error row, with
+    neither block rows nor parts left behind; the other items are written."""
+    model = tiny_model("llama", seed=9, vocab_size=VOCAB)
+    facts = _facts(3)
+    bad = igd.encode(tokenizer, facts["prompt"][1], facts["answer"][1])[0]
+    real = igd.collect_components
+
+    def refuses_one(model, input_ids, prompt_len, **kwargs):
+        if torch.equal(input_ids, bad):
+            raise ValueError("this attention does not read its values as sources=True assumes")
+        return real(model, input_ids, prompt_len, **kwargs)
+    monkeypatch.setattr(igd, "collect_components", refuses_one)
+    results, errors, parts = igd.attribute_dataset(model, tokenizer, facts, steps=2, batch_size=3,
+                                                   progress=False, resolution="source", top_k=2)
+    assert errors["id"].tolist() == [facts["id"][1]] and "sources=True assumes" in errors["error"][0]
+    kept = [facts["id"][0], facts["id"][2]]
+    assert sorted(results["id"].unique()) == sorted(kept) and sorted(parts["id"].unique()) == sorted(kept)
