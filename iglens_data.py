@@ -7,7 +7,8 @@ The method lives in :mod:`iglens_core`; this module imports it and holds what fe
 sequences in batches), reading the input file, greedy answers in batches, :func:`ig_lens_batch` (one readout pass
 for a whole batch), parquet shards written atomically, ``resume``, and the split of items over the
 ranks of ``torchrun`` / ``accelerate``. :func:`attribute_dataset` is the entry point; the command
-line's ``--dataset`` calls it.
+line's ``--dataset`` calls it. With ``resolution=`` it also writes a long table of each item's top
+parts (heads, neurons or (head, source token) pairs) and their sums, :func:`parts_path`.
 """
 
 from __future__ import annotations

@@ -225,3 +225,30 @@ def test_cli_prompt_source_panel(tmp_path, monkeypatch, capsys):
         assert "with a prompt, --resolution takes only source, with --html" in capsys.readouterr().err
     assert igcli.main(["a prompt", "--html", str(out), "--resolution", "source", "--baseline", "zero"]) == 2
     assert "needs --baseline embedding, got 'zero'" in capsys.readouterr().err
+
+
+def test_figures_name_the_quantity():
+    """plot_heatmap's colour bars and row labels name f; an attribution rebuilt from a table (which
+    says "prob" whatever the table held) is labelled by the quantity passed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    model = tiny_model("llama", seed=2)
+    trace = random_trace(model, seed=3)
+    tokens = [str(t) for t in range(len(trace.targets))]
+
+    def labels(fig):
+        axes = fig.axes + [child for ax in fig.axes for child in ax.child_axes]  # the row sums' axis too
+        return [ax.get_ylabel() for ax in axes] + [t.get_text() for ax in axes for t in ax.get_yticklabels()]
+    for quantity, colour_bar, row in (("prob", "attribution (Δ probability)", "Δp="),
+                                      ("logprob", "attribution (Δ log-probability (nats))", "Δ log p=")):
+        attribution = ig.ig_lens(model, trace, quantity=quantity)
+        rebuilt = ig.Attribution.from_frame(attribution.to_frame())
+        for fig in (igp.plot_heatmap(attribution, tokens), igp.plot_heatmap(rebuilt, tokens, quantity=quantity)):
+            found = labels(fig)
+            assert colour_bar in found and any(row in text for text in found), found
+            plt.close(fig)
+    foil = ig.ig_lens(model, trace, quantity="logprob", foil=(trace.targets + 1) % model.config.vocab_size)
+    fig = igp.plot_heatmap(foil, tokens)
+    assert "target logit difference z_y − z_foil" in labels(fig)
+    plt.close(fig)
