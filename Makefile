@@ -36,7 +36,7 @@ setup-gemma: setup
 reproduce: model
 	mkdir -p $(BUILD)/notebooks
 	for nb in $(NOTEBOOKS); do \
-	  TQDM_DISABLE=1 $(VENV)/bin/papermill --cwd notebooks --no-progress-bar $$nb $(BUILD)/$$nb || exit 1; \
+	  TQDM_DISABLE=1 IGLENS_FIGURES=$(CURDIR)/figures $(VENV)/bin/papermill --cwd notebooks --no-progress-bar $$nb $(BUILD)/$$nb || exit 1; \
 	done
 	@echo "executed notebooks in $(BUILD)/notebooks, figures in figures/"
 
@@ -56,12 +56,12 @@ nbval: model
 	@test -n "$(NOTEBOOKS)" || { echo "no numbered notebooks to check"; exit 0; }; \
 	for threads in $(NBVAL_THREADS); do \
 	  echo "nbval at OMP_NUM_THREADS=$$threads"; \
-	  OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 IGLENS_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q \
+	  OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 $(PY) -m pytest -q \
 	    --nbval-lax --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS) || exit 1; \
 	done
 
 bench: model
-	TQDM_DISABLE=1 $(PY) benchmarks/bench.py
+	TQDM_DISABLE=1 IGLENS_FIGURES=$(CURDIR)/figures $(PY) benchmarks/bench.py
 
 clean:
 	rm -rf $(BUILD)

@@ -1322,6 +1322,25 @@ def top_indices(values, k: int = 1) -> np.ndarray:
     return np.argsort(-ranks, axis=-1, kind="stable")[..., :k]
 
 
+def top_positive(values, k: int) -> np.ndarray:
+    """Indices of up to ``k`` largest values of a 1-D score that lie above 0 by more than the tie
+    tolerance, ordered as :func:`top_indices` orders them (largest first, ties: lower index).
+
+    Parts whose score is tied with 0 (e.g. heads of early blocks whose share of Δp is 1e-9) are
+    never picked: ranking them would order rounding, and the earliest-index tie break would fill
+    a top-k set with block 1. Fewer than ``k`` come back where fewer are positive.
+
+    Args:
+        values: (n,) scores (shares, |DLA|, ...).
+        k: 1..n.
+    """
+    x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
+    if x.ndim != 1:
+        raise ValueError(f"values must be 1-D (flatten a grid first), got shape {x.shape}")
+    top = top_indices(x, k)
+    return top[x[top] > tie_tolerance(x)[0]]
+
+
 def spearman_rows(scores, effects) -> np.ndarray:
     """(T,) Spearman rank correlation, per token, between a per-layer score and ablation effects.
 

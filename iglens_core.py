@@ -1,34 +1,21 @@
 """IG-Lens: exact additive probability attribution across transformer layers.
 
-The method and only the method, in one plain module. Sections, in reading order:
+The method and only the method, in reading order: 1. model loading, 2. architecture adapters,
+3. the collector (one forward pass -> ``Trace``), 4. the head-once ``Readout``, 5. the integrator
+and its estimators (``ig_lens`` -> ``Attribution``) and the split into heads, neurons and source
+positions (``components`` -> ``Components``). Beside it, importing it: ``iglens_data.py``
+(inputs, datasets at scale), ``iglens_plot.py`` (figures, interactive view), ``iglens_cli.py``
+(the ``iglens`` command), ``iglens_compare.py`` (DLA, tuned lens, captum, ablation, patching,
+causal tracing, rank metrics). Shapes: ``T`` predicting positions, ``n`` blocks, ``d`` hidden
+size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
 
-1. model loading (the packaged GGUF model, offline-first Hugging Face loading)
-2. architecture adapters (where the blocks, the final norm and the head live)
-3. the collector (one forward pass -> a ``Trace``)
-4. the head-once readout ``Readout``
-5. the integrator and its estimators (``ig_lens`` -> ``Attribution``), and the split of each
-   sublayer term into attention heads and MLP neurons, and of each head's share into the source
-   positions it reads (``components`` -> ``Components``)
-
-Beside it, each importing this module and none imported by it: ``iglens_data.py`` (inputs:
-``encode``, ``token_span``, ``collect_batch``; datasets at scale: files, shards, ranks, resume),
-``iglens_plot.py`` (figures and the interactive view), ``iglens_cli.py`` (the ``iglens`` command)
-and ``iglens_compare.py`` (what IG-Lens is compared and tested against: DLA, tuned lens, captum,
-ablation, patching, causal tracing, rank metrics, and the experiments' helpers).
-
-Notation used in shapes: ``T`` predicting positions (answer tokens), ``n`` blocks,
-``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
-
-The method in one paragraph: the residual stream of token ``t`` moves along the path
-``h_base -> h_L1 -> ... -> h_n``; the head-once readout ``f(h) = softmax(head(norm(h)))[y_t]``
-turns any point of that path into the probability of the target. Segment ``j`` is
-credited the integral of ``grad f`` along the straight line ``h_L(j-1) -> h_Lj``, which by the
-gradient theorem is ``f(h_Lj) - f(h_L(j-1))``; the ``K`` terms telescope to
-``f(h_n) - f(h_base) = Δp``. The prediction-aware estimator credits every step its observed
-change in ``f``; its segment value is therefore *exactly* the logit-lens difference of the
-segment's endpoints, and ``steps`` only sets the resolution of the within-segment profile.
-Any scalar readout telescopes the same way: ``quantity="logprob"`` and a ``foil`` give
-``log p(y)``, ``p(y) - p(foil)`` and ``log p(y) - log p(foil) = z_y - z_foil``.
+The method: the residual stream of token ``t`` moves along ``h_base -> h_L1 -> ... -> h_n``; the
+readout ``f(h) = softmax(head(norm(h)))[y_t]`` maps any point to the target's probability.
+Segment ``j`` gets the integral of ``grad f`` along the line ``h_L(j-1) -> h_Lj``, which by the
+gradient theorem is ``f(h_Lj) - f(h_L(j-1))``: the terms telescope to ``Δp``. The
+prediction-aware estimator credits every step its observed change in ``f``, so its segment value
+is exactly the logit-lens difference of the endpoints. Any scalar readout telescopes the same
+way (``quantity="logprob"``, a ``foil``).
 """
 
 from __future__ import annotations
@@ -179,20 +166,15 @@ def resolve_model_path(name: str) -> str:
 
 def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
                dtype: torch.dtype = torch.float32, device_map=None, **from_pretrained):
-    """Load a causal LM and its tokenizer, offline.
+    """Load a causal LM and its tokenizer, offline; returns ``(model, tokenizer)``, eval mode.
 
     Args:
-        name: a packaged model (``"smollm2-135m-instruct"``, ``"gemma3-270m"``), a local
-            directory, or a Hugging Face id already in the local cache.
-        device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
+        name: a packaged model (:data:`PACKAGED_MODELS`), a local directory, or a Hugging Face id
+            already in the local cache.
+        device: ``"cpu"``, ``"cuda"``...; default CUDA when available (ignored with ``device_map``).
         dtype: parameter dtype.
-        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` via accelerate for models
-            larger than one device); ``device`` is then ignored.
-        **from_pretrained: more ``from_pretrained`` arguments, e.g. ``max_memory={0: "20GiB",
-            "cpu": "60GiB"}`` and ``offload_folder="offload"`` with ``device_map="auto"``.
-
-    Returns:
-        ``(model, tokenizer)`` with the model in eval mode.
+        device_map, **from_pretrained: passed to ``from_pretrained`` (e.g. ``device_map="auto"``,
+            ``max_memory``, ``offload_folder`` for models larger than one device).
     """
     if device is not None and torch.device(device).type == "meta":
         raise ValueError("device='meta' gives a model without weights (shapes only), on which nothing "
@@ -228,11 +210,9 @@ class Adapter:
     """Where a model keeps the parts IG-Lens needs (found from its modules, not its name).
 
     Attributes:
-        blocks: the ``n`` transformer blocks in order.
-        norm: the final norm (its input is ``h_n``).
-        head: the unembedding, a ``Linear`` (d -> V).
-        softcap: ``final_logit_softcapping`` (Gemma 2/3) or None.
-        logit_scale: multiplier applied to the logits after the head (1.0 for most models).
+        blocks: the ``n`` transformer blocks; norm: the final norm (its input is ``h_n``); head: the
+            unembedding (d -> V); softcap: ``final_logit_softcapping`` (Gemma 2/3) or None;
+            logit_scale: multiplier applied to the logits after the head (1.0 for most models).
     """
     blocks: nn.ModuleList
     norm: nn.Module
@@ -246,12 +226,8 @@ class Adapter:
 
 
 def check_model(model) -> None:
-    """A loaded model with weights: an ``nn.Module`` not on the ``meta`` device.
-
-    Raises:
-        ValueError: for anything else (e.g. a model *name*: load it with :func:`load_model`), or
-            for a model whose weights are on ``meta`` (shapes only, no values) without the
-            offloading hooks of ``device_map`` that bring them in when needed.
+    """Raise a ValueError unless ``model`` is a loaded ``nn.Module`` whose weights are not on ``meta``
+    (shapes only) without accelerate's offloading hooks.
     """
     if not isinstance(model, nn.Module):
         hint = f"; load it first: model, tokenizer = ig.load_model({model!r})" if isinstance(model, str) else ""
@@ -266,13 +242,9 @@ _FINGERPRINT_ENTRIES = 4  # sampled entries per tensor
 
 
 def model_fingerprint(model) -> Optional[torch.Tensor]:
-    """(k,) float64 sampled weights that tell one model from another of the same sizes; cheap.
-
-    Four entries (first, one third, two thirds, last) of each of: the input embedding, the first
-    parameter of the first and of the last block, the final norm's weight (where it has one) and
-    the head. No sum is taken, so the values do not depend on the device; another dtype of the
-    same model agrees within its rounding (:func:`check_same_model` allows 1e-2 relative). None
-    when one of them is offloaded (``meta``): such a model is not checked.
+    """(k,) float64 sampled weights (4 entries each of the embedding, the first parameter of the first
+    and last block, the final norm and the head) that tell one model from another of the same sizes.
+    No sum is taken, so they do not depend on the device. None when a part is offloaded (``meta``).
     """
     adapter = get_adapter(model)
     tensors = [model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None,
@@ -292,14 +264,9 @@ def model_fingerprint(model) -> Optional[torch.Tensor]:
 
 
 def check_same_model(model, trace: Optional["Trace"] = None, readout: Optional["Readout"] = None) -> None:
-    """The trace and the readout (either may be None) must come from ``model``.
-
-    Compares :func:`model_fingerprint` of ``model`` with the one :func:`collect` stored on the
-    trace and the one :class:`Readout` took of its model; a trace built by hand (no fingerprint)
-    is not checked.
-
-    Raises:
-        ValueError: ``model`` is not a loaded model, or the trace / readout comes from another one.
+    """Raise a ValueError unless the trace and the readout (either may be None) were made with
+    ``model``: their stored :func:`model_fingerprint` must match its own within 1e-2 relative (so
+    another dtype of the same model passes). A trace built by hand (no fingerprint) is not checked.
     """
     check_model(model)
     stored = [(what, getattr(thing, "model_fingerprint", None)) for what, thing in
@@ -326,22 +293,15 @@ def _first_attr(module: nn.Module, names: Sequence[str]):
 
 def get_adapter(model: nn.Module, *, blocks: Optional[nn.ModuleList] = None,
                 norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None) -> Adapter:
-    """Find blocks, final norm and head of a Hugging Face causal LM (see the README's table).
+    """Find blocks, final norm and head of a Hugging Face causal LM, by attribute, not class name.
 
-    Parts are found by attribute, not by class name: the blocks as a ``ModuleList`` at
-    ``.layers`` / ``.h`` / ``.blocks`` of ``model.base_model``, the final norm at ``.norm`` /
-    ``.ln_f`` / ``.final_layer_norm`` / ``.final_norm``, the head by ``get_output_embeddings()``.
-
-    Args:
-        model: a Hugging Face ``*ForCausalLM``, or any module whose parts are passed by hand.
-        blocks, norm, head: pass these for an architecture whose parts are not found. A part
-            given for a model on which it cannot be found is remembered on the model, so
-            :func:`collect`, :class:`Readout` and :func:`ig_lens` find it later too; a part given
-            for a model that has its own overrides it for this call only.
+    Looked for: a ``ModuleList`` at ``.layers`` / ``.h`` / ``.blocks`` of ``model.base_model``, the
+    norm at ``.norm`` / ``.ln_f`` / ``.final_layer_norm`` / ``.final_norm``, the head by
+    ``get_output_embeddings()``. Parts passed by hand (``blocks``, ``norm``, ``head``) for a model on
+    which they are not found are remembered on the model, so every later call finds them.
 
     Raises:
-        ValueError: naming each part that cannot be found, where it was looked for, and how to
-            pass it by hand.
+        ValueError: naming each part not found, where it was looked for and how to pass it.
     """
     check_model(model)
     float64_forward(model)
@@ -381,13 +341,8 @@ def get_adapter(model: nn.Module, *, blocks: Optional[nn.ModuleList] = None,
     return Adapter(parts["blocks"], parts["norm"], parts["head"], softcap, float(scale))
 
 
-# -- float64 means float64 ----------------------------------------------------------------------
-#
-# transformers 5.x computes parts of a model in float32 whatever its dtype: RMSNorm casts the
-# hidden states to float32 (Llama, Qwen2/3, Mistral, Phi-3; Gemma 2/3 also its 1 + w), OLMo's
-# LayerNorm too, and every rotary embedding computes cos and sin in float32. So ``model.double()``
-# alone is not a float64 run: on SmolLM2 the block DLAs plus the rest miss the target logit by
-# 1.7e-6 instead of ~1e-14. :func:`float64_forward` patches those modules, per instance.
+# -- float64 means float64: transformers 5.x computes RMSNorms and rotary embeddings in float32
+# whatever the dtype (a `.double()` SmolLM2 missed its target logit by 1.7e-6, not ~1e-14)
 
 def _norm_candidates(module: nn.Module) -> dict:
     """float64 reimplementations ``x -> norm(x)`` that ``module`` may be (its gain convention)."""
@@ -419,28 +374,15 @@ def _rotary_float64(module: nn.Module, x: torch.Tensor, position_ids: torch.Tens
 def float64_forward(model: nn.Module) -> list[str]:
     """Make a float64 model compute in float64 where transformers computes in float32.
 
-    For a model whose parameters are float64 (``load_model(dtype=torch.float64)`` or
-    ``model.double()``; :func:`get_adapter` calls this, so every IG-Lens entry point does), the
-    ``forward`` of these modules is replaced on the instance:
-
-    - norms other than ``nn.LayerNorm`` (RMSNorm of any gain convention, ``w`` or ``1 + w``, and
-      OLMo's weightless LayerNorm): float64 inputs are normalised in float64 by the
-      reimplementation that matches the module's own output (checked on a probe);
-    - rotary embeddings (``*RotaryEmbedding`` with ``inv_freq`` buffers, Gemma 3's per layer
-      type too) of a rope type without dynamic updates: angles, cos and sin in float64. The
-      frequencies are the model's ``inv_freq`` buffer, which transformers computes in float32
-      when it builds the model: constants of the model, used exactly.
-
-    Other inputs go to the original ``forward``, so a model cast back to float32 is unchanged.
-    What stays float32, listed in the returned names and in a warning: rotary embeddings with
-    dynamic rope types (``"dynamic"``, ``"longrope"``), modules whose weights accelerate offloads,
-    modules whose output no candidate reproduces, and, with ``attn_implementation="eager"``,
-    the attention softmax (transformers' ``eager_attention_forward``; the default ``"sdpa"``
-    computes in float64). Calling it again does nothing.
+    For a float64 model (every entry point calls this through :func:`get_adapter`) the ``forward``
+    of these modules is replaced on the instance: norms other than ``nn.LayerNorm`` (by the float64
+    reimplementation that matches the module's output on a probe: RMSNorm with ``w`` or ``1 + w``,
+    OLMo's weightless LayerNorm), and rotary embeddings without dynamic rope types (cos and sin in
+    float64 from the model's ``inv_freq`` buffer). Other dtypes go to the original ``forward``.
 
     Returns:
-        Names of the modules (or ``"eager attention softmax"``) that still compute in float32;
-        ``[]`` for a model that is not float64.
+        Names of what still computes in float32, also warned: dynamic rope types, offloaded
+        modules, norms no candidate reproduces, the eager attention softmax; ``[]`` otherwise.
     """
     first = next(model.parameters(), None)
     if first is None or first.dtype != torch.float64:
@@ -517,20 +459,11 @@ def _execution_device(module: nn.Module, default: torch.device) -> torch.device:
 
 
 def _readout_value(logits: torch.Tensor, index: torch.Tensor, quantity: str) -> torch.Tensor:
-    """The readout quantity from logits (see :data:`QUANTITIES`).
-
-    Args:
-        logits: (..., V) the model's final logits.
-        index: (..., 1) the target, or (..., 2) the target and the foil.
-        quantity: ``"prob"`` or ``"logprob"``.
-
-    Returns:
-        (...) ``p(y)``, ``log p(y)``, ``p(y) - p(foil)`` or ``log p(y) - log p(foil)``; the last is
-        read as the logit difference ``z_y - z_foil`` (the log-sum-exp cancels exactly).
-
-    ``log_softmax`` + gather: the fastest here (bench.py); in float32 at V = 49152 its internal sum
-    costs up to 7e-6 in probability against float64 (an in-place exp and the summation kernel
-    reach 3e-7 but take ~3x as long)."""
+    """(...) ``p(y)``, ``log p(y)``, ``p(y) - p(foil)`` or ``log p(y) - log p(foil)`` (read as the logit
+    difference ``z_y - z_foil``) from logits (..., V) and ``index`` (..., 1) target or (..., 2) target
+    and foil. ``log_softmax`` + gather is the fastest here (bench.py); in float32 at V = 49152 it
+    rounds up to 7e-6 in probability against float64.
+    """
     if quantity == "logprob" and index.shape[-1] == 2:
         picked = logits.gather(-1, index)
     else:
@@ -540,17 +473,8 @@ def _readout_value(logits: torch.Tensor, index: torch.Tensor, quantity: str) -> 
 
 
 def _readout_slope(probs: torch.Tensor, index: torch.Tensor, quantity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The readout's derivative in the logits, ``df/dz = sum_k w_k e_(index_k) - c p``.
-
-    ``p(y)``: ``p_y (e_y - p)``; ``log p(y)``: ``e_y - p``; a foil subtracts its own term, so the
-    logit difference has ``c = 0``.
-
-    Args:
-        probs: (..., V) ``softmax(z)``; index: (..., K) the target (and the foil); quantity as
-            :func:`_readout_value`.
-
-    Returns:
-        ``(w (..., K), c (..., 1))``.
+    """``df/dz = sum_k w_k e_(index_k) - c p`` as ``(w (..., K), c (..., 1))`` from ``probs`` (..., V):
+    ``p(y)``: ``p_y (e_y - p)``; ``log p(y)``: ``e_y - p``; a foil subtracts its own term.
     """
     signs = torch.tensor([1.0, -1.0][:index.shape[-1]], dtype=probs.dtype, device=probs.device)
     weights = probs.gather(-1, index) if quantity == "prob" else torch.ones(index.shape, dtype=probs.dtype,
@@ -589,26 +513,19 @@ class Trace:
     """Residual stream of one sequence at its predicting positions.
 
     Attributes:
-        input_ids: (1, L) the whole sequence.
-        prompt_len: answer tokens are ``input_ids[0, prompt_len:]``.
+        input_ids: (1, L); prompt_len: answer tokens are ``input_ids[0, prompt_len:]``.
         targets: (T,) token predicted at each position, ``T = L - prompt_len``.
-        positions: (T,) index of the predicting position, ``prompt_len - 1 + arange(T)``.
-        hidden: (n+1, T, d) ``hidden[0]`` the embedding output (input of block 1),
-            ``hidden[L]`` the output of block L, ``hidden[n]`` the input of the final norm.
-        model_probs: (T,) the model's own softmax probability of each target.
-        mid: (n, T, d) or None. With ``sublayer=True``: the residual between attention and MLP
-            of each block.
-        heads: (n, T, H * head_dim) or None. From :func:`collect_components`: the input of each
-            block's attention output projection (the heads' outputs side by side).
-        neurons: (n, T, d_ff) or None. From :func:`collect_components`: the input of each block's
-            MLP down projection (one activation per neuron).
-        patterns: (n, T, H, S) or None. From ``collect_components(..., sources=True)``: every head's
-            attention row at each predicting position over the whole sequence (``S = L``; the
-            model's own probabilities, after its mask, sliding window and soft-capping).
-        values: (n, S, H_kv, head_dim) or None. With ``patterns``: the value vectors of every
-            key/value head at every position; head h reads key/value head ``h // (H / H_kv)``.
-        model_fingerprint: (k,) :func:`model_fingerprint` of the model that made the trace (None for
-            a trace built by hand); the functions that take a model and a trace check it.
+        positions: (T,) the predicting positions, ``prompt_len - 1 + arange(T)``.
+        hidden: (n+1, T, d) ``hidden[0]`` the embedding output, ``hidden[L]`` the output of block L,
+            ``hidden[n]`` the input of the final norm.
+        model_probs: (T,) the model's own probability of each target.
+        mid: (n, T, d) the residual between attention and MLP (``sublayer=True``), or None.
+        heads, neurons: (n, T, H * head_dim), (n, T, d_ff): the inputs of each block's attention
+            output projection and MLP down projection (:func:`collect_components`), or None.
+        patterns: (n, T, H, S) every head's attention row at the predicting positions (the model's
+            own, after masks and soft-capping); values: (n, S, H_kv, head_dim) the value vectors
+            (head h reads key/value head ``h // (H / H_kv)``); with ``sources=True``, else None.
+        model_fingerprint: :func:`model_fingerprint` of the model that made it (None: built by hand).
     """
     input_ids: torch.Tensor
     prompt_len: int
@@ -633,12 +550,7 @@ class Trace:
 
 
 def precision(dtype: torch.dtype) -> torch.dtype:
-    """Working precision of IG-Lens results: float64 for a float64 model, float32 otherwise.
-
-    A float64 model computes in float64 end to end: :func:`float64_forward` (run by every entry
-    point) makes the norms and rotary embeddings that transformers computes in float32 compute
-    in float64, and warns naming anything that stays float32 (dynamic rope types, offloaded
-    modules, the eager attention softmax)."""
+    """Working precision of results: float64 for a float64 model, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -678,11 +590,9 @@ def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
 
 
 def _logits_at_end(model, keep: int, **inputs) -> torch.Tensor:
-    """(B, keep, V) the model's logits at the last ``keep`` columns only.
-
-    Uses ``logits_to_keep`` where the model's forward takes it, so the head runs on ``keep``
-    rows per sequence instead of all ``L`` (at V = 262144, 16 x 60 tokens of logits are 1 GB);
-    otherwise the full logits, sliced."""
+    """(B, keep, V) logits at the last ``keep`` columns, via ``logits_to_keep`` where the forward takes
+    it (at V = 262144, 16 x 60 tokens of logits are 1 GB).
+    """
     import inspect
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         return model(**inputs, use_cache=False, logits_to_keep=keep).logits
@@ -691,10 +601,8 @@ def _logits_at_end(model, keep: int, **inputs) -> torch.Tensor:
 
 def _stream_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None],
                   keep_mid: Optional[Callable[[int, torch.Tensor], None]] = None) -> list:
-    """Hooks handing the residual stream to ``keep(index, tensor)``, tensor (B, L, d).
-
-    ``index`` 0 is the input of block 1, ``index`` L in 1..n-1 the output of block L, and
-    ``index`` n the input of the final norm. ``keep_mid(layer, tensor)`` (optional) gets the
+    """Hooks handing the residual stream (B, L, d) to ``keep(index, tensor)``: index 0 the input of
+    block 1, L the output of block L, n the input of the final norm; ``keep_mid(layer, tensor)`` the
     residual between attention and MLP of block ``layer + 1``.
     """
     n = adapter.n_layers
@@ -711,15 +619,11 @@ def _stream_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None],
 
 @torch.no_grad()
 def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool = False) -> Trace:
-    """One forward pass; record the residual stream at every block boundary.
-
-    ``hidden[n]`` is captured as the *input* of the final norm: Hugging Face's last
-    ``hidden_states`` entry is already normalised for Llama-style models, and normalising it
-    again gives probabilities that are not the model's.
+    """One forward pass; record the residual stream at every block boundary (``hidden[n]`` is the
+    final norm's *input*: Hugging Face's last ``hidden_states`` entry is already normalised).
 
     Args:
-        input_ids: (1, L) or (L,) long.
-        prompt_len: first answer position, in ``1..L-1``.
+        input_ids: (1, L) or (L,); prompt_len: first answer position, in ``1..L-1``.
         sublayer: also record the residual between attention and MLP of each block.
     """
     input_ids = _check_sequence(model, input_ids, prompt_len)
@@ -871,22 +775,12 @@ def _check_patterns(trace: Trace) -> None:
 def collect_components(model, input_ids: torch.Tensor, prompt_len: int, *, sources: bool = False) -> Trace:
     """:func:`collect` with ``sublayer=True``, plus every head's and every neuron's activation.
 
-    In the same forward pass, forward pre-hooks on each block's attention output projection
-    (``o_proj``, GPT-2 ``attn.c_proj``, NeoX ``dense``) and MLP down projection (``down_proj``,
-    GPT-2 ``mlp.c_proj``, NeoX ``dense_4h_to_h``) record their inputs at the predicting positions
-    only: activations ``z`` (T, H * head_dim) and ``act`` (T, d_ff), not their (T, d_ff, d)
-    products; :func:`components` multiplies them by the weights when it needs them.
-
-    With ``sources=True`` the pass runs the model's eager attention (the implementation that
-    returns its probabilities; switched back afterwards) and also records each head's attention
-    row at the predicting positions (the model's own, after masks, sliding windows and
-    soft-capping) and the value vectors of every position (from the value projection's output;
-    under GQA those of the shared key/value head). They must rebuild the recorded head outputs,
-    ``z_h(t) = sum_s A_h(t, s) v_h(s)``, or a ValueError says the architecture is not supported.
-
-    Returns:
-        A :class:`Trace` with ``mid``, ``heads`` (n, T, H * head_dim) and ``neurons`` (n, T, d_ff);
-        with ``sources``, also ``patterns`` (n, T, H, S) and ``values`` (n, S, H_kv, head_dim).
+    Pre-hooks on each block's attention output projection and MLP down projection record their
+    inputs at the predicting positions: ``heads`` (n, T, H * head_dim), ``neurons`` (n, T, d_ff).
+    With ``sources=True`` the pass runs eager attention (switched back afterwards) and also records
+    ``patterns`` (n, T, H, S) and ``values`` (n, S, H_kv, head_dim); they must rebuild the recorded
+    head outputs, ``z_h(t) = sum_s A_h(t, s) v_h(s)``, or a ValueError says the architecture is not
+    supported.
     """
     input_ids = _check_sequence(model, input_ids, prompt_len)
     adapter = get_adapter(model)
@@ -948,14 +842,9 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int, *, sourc
 class Readout:
     """``f(h) = softmax(scale * softcap(head(norm(h))))[y]``: the model's last step, on one vector.
 
-    No attention and no MLP: every point is read out on its own, so any number of points can be
-    stacked into one batch. Rows are processed in chunks so that the ``(rows, V)`` logits never
-    exceed ``memory_budget`` bytes, whatever the vocabulary.
-
-    Args:
-        model: the causal LM.
-        norm, head: override the final norm / unembedding (for unrecognised architectures).
-        memory_budget: bytes that one chunk of logits (and its temporaries) may take.
+    No attention, no MLP: any number of points stack into one batch, processed in chunks whose
+    (rows, V) logits stay within ``memory_budget`` bytes. ``norm``, ``head``: overrides for
+    unrecognised architectures.
     """
 
     def __init__(self, model, *, norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None,
@@ -1011,17 +900,10 @@ class Readout:
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor, foils: Optional[torch.Tensor] = None,
                  *, quantity: str = "prob") -> torch.Tensor:
-        """The readout f at every point: the target probability by default.
-
-        Args:
-            hidden: (..., d) residual-stream points.
-            targets: (...) token ids, broadcastable to ``hidden.shape[:-1]``.
-            foils: (...) token ids of a foil, broadcastable likewise, or None.
-            quantity: ``"prob"`` (f = p(y), or p(y) - p(foil)) or ``"logprob"`` (f = log p(y) in
-                nats, or log p(y) - log p(foil), which is the logit difference z_y - z_foil).
-
-        Returns:
-            (...) f, float32 (float64 for a float64 model), on the CPU when the input was.
+        """(...) f at every point of ``hidden`` (..., d): ``targets`` (and ``foils``) are token ids
+        broadcastable to ``hidden.shape[:-1]``; ``quantity`` ``"prob"`` (p(y), or p(y) - p(foil)) or
+        ``"logprob"`` (log p(y) in nats, or the logit difference z_y - z_foil). Working precision, on the
+        input's device.
         """
         _check_quantity(quantity)
         shape = hidden.shape[:-1]
@@ -1038,19 +920,9 @@ class Readout:
     @torch.no_grad()
     def directional(self, hidden: torch.Tensor, direction: torch.Tensor, targets: torch.Tensor,
                     foils: Optional[torch.Tensor] = None, *, quantity: str = "prob") -> torch.Tensor:
-        """``<direction, grad f(hidden)>`` by forward-mode differentiation (no backward pass).
-
-        With ``z`` the logits and ``p`` their softmax, ``df = <df/dz, dz>`` where ``dz`` is the
-        forward-mode tangent of the logits along ``direction`` and ``df/dz`` is ``p_y (e_y - p)``
-        for p(y), ``e_y - p`` for log p(y), minus the same for a foil.
-
-        Args:
-            hidden, direction: (..., d).
-            targets: (...) token ids; foils, quantity: as :meth:`__call__`.
-
-        Returns:
-            (...) float32 (float64 for a float64 model) directional derivatives (f per unit step
-            along ``direction``).
+        """(...) ``<direction, grad f(hidden)>`` by forward-mode differentiation (no backward pass): the
+        logits' tangent ``dz`` along ``direction`` against ``df/dz`` (:func:`_readout_slope`). Arguments
+        as :meth:`__call__`, ``direction`` (..., d).
         """
         _check_quantity(quantity)
         shape = hidden.shape[:-1]
@@ -1068,12 +940,9 @@ class Readout:
         return out.reshape(shape).to(hidden.device)
 
     def _logits_and_tangent(self, rows: torch.Tensor, dirs: torch.Tensor):
-        """(rows, V) logits and their forward-mode tangent along ``dirs``.
-
-        A linear head's tangent is the head applied to the norm's tangent, so the norm is
-        differentiated on its own (d-wide) and primal and tangent go through one product.
-        (``torch.func.jvp`` over the whole readout copies the head weight and runs four products;
-        bench.py measured it ~2x slower than this.)
+        """(rows, V) logits and their tangent along ``dirs``: the norm differentiated on its own (d-wide),
+        then primal and tangent through one head product (``torch.func.jvp`` over the whole readout
+        copies the head weight and runs four products: ~2x slower in bench.py).
         """
         head = self.adapter.head
         if not isinstance(head, nn.Linear):
@@ -1102,15 +971,10 @@ class Readout:
             tangent = tangent * (1 - (logits / self.adapter.softcap) ** 2)
         return tangent
 
-    # -- along straight segments: f and its slope from one product per path node ----------------
-    #
-    # The final norm is a per-point scale times a linear map plus a constant:
-    # ``norm(h) = s(h) * A h + b`` (RMSNorm: A = diag(w), b = 0; LayerNorm: A = diag(w) centring,
-    # b its bias; Gemma: w -> 1 + w). So the head output is ``s(h) Z(h) + c`` with ``Z(h) = W A h``
-    # linear in h and ``c = W b + bias``. On the segment ``a -> b`` the point
-    # ``a + alpha (b - a)`` has head output ``s(alpha) ((1 - alpha) Z(a) + alpha Z(b)) + c``: one
-    # (d x V) product per path node, then only V-wide elementwise work per grid point. The slope
-    # ``df/dalpha`` follows from ``dZ/dalpha = Z(b) - Z(a)`` and ``ds/dalpha`` in closed form.
+    # -- along straight segments: ``norm(h) = s(h) A h + b`` (RMSNorm, Gemma's 1 + w, LayerNorm),
+    # so the head output is ``s(h) Z(h) + c`` with ``Z = W A h`` linear. At ``a + alpha (b - a)`` it
+    # is ``s(alpha) ((1 - alpha) Z(a) + alpha Z(b)) + c``: one (d x V) product per path node, then
+    # V-wide elementwise work per point; the slope from ``Z(b) - Z(a)`` and ``ds/dalpha``.
 
     def _scale(self, points: torch.Tensor) -> torch.Tensor:
         """(..., d) -> (...) the norm's per-point scale ``s(h) = rsqrt(mean(h'^2) + eps)``.
@@ -1130,13 +994,8 @@ class Readout:
 
     def _node_products(self, rows: torch.Tensor, index: torch.Tensor, offset: Optional[torch.Tensor],
                        quantity: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Path nodes -> their products ``Z(h) = (head(norm(h)) - c) / s(h)`` and f there.
-
-        Args:
-            rows: (r, d) nodes; index: (r, K) their targets (and foils); offset: (V,) ``c`` or None.
-
-        Returns:
-            ``(Z (r, V), f (r,))`` in working precision; f is read from the model's own logits.
+        """Path nodes ``rows`` (r, d) -> ``(Z (r, V), f (r,))``: ``Z = (head(norm(h)) - c) / s(h)`` and f
+        read from the model's own logits; ``index`` (r, K) targets (and foils), ``offset`` ``c`` or None.
         """
         head_out = self.adapter.head(self.adapter.norm(rows.to(self.norm_device, self.dtype)).to(self.device))
         f_nodes = torch.cat([_readout_value(self._finish(part), part_index, quantity)  # 16 rows
@@ -1160,16 +1019,8 @@ class Readout:
         return head(bias[None].to(self.device))[0].to(precision(self.dtype))
 
     def _segment(self, z_start, z_end, start, end, alphas, index, offset, slope: bool, quantity: str) -> torch.Tensor:
-        """f (or df/dalpha) on one segment for a block of tokens.
-
-        Args:
-            z_start, z_end: (b, V) node products of the segment's ends.
-            start, end: (b, d) the ends, working precision.
-            alphas: (m',) positions in [0, 1]; index: (b, K) targets (and foils); offset: (V,)
-                ``c`` or None; quantity: as :meth:`__call__`.
-
-        Returns:
-            (b, m').
+        """(b, m') f (or ``df/dalpha``) at ``alphas`` along the segments ``start -> end`` (b, d) of a block
+        of tokens, from their node products ``z_start``, ``z_end`` (b, V).
         """
         delta = end - start  # (b, d)
         points = start[:, None] + alphas[None, :, None] * delta[:, None]  # (b, m', d)
@@ -1212,26 +1063,14 @@ class Readout:
     def _segment_gradient(self, z_start, z_end, start, end, alphas, weights, index, offset, quantity):
         """``sum_s w_s grad f(start + alpha_s (end - start))`` for a block of tokens, in closed form.
 
-        At a point ``h`` with head output ``s(h) Z(h) + c`` and logits ``z``, ``p = softmax(z)``:
-        ``grad f = J_norm(h)^T W^T q`` with ``q = (dz/du) df/dz`` (``dz/du`` the logit scale and
-        soft-cap derivative; ``df/dz = p_y (e_y - p)`` for p(y), see :func:`_readout_slope`), and
-        for ``norm(h) = s(h) G * P h + b``, ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``.
-        Since ``<G * P h, W^T q> = <Z(h), q>`` is V-wide and ``W^T`` is linear, the weighted sum over
-        the grid needs one ``(V x d)`` product per segment:
-        ``P (G * W^T (sum_s w_s s_s q_s) - sum_s w_s s_s^3 <Z_s, q_s> P h_s / d)``.
-        The product is left to the caller (:meth:`_finish_gradients`), which batches many segments
-        into one: a few rows at a time it would read the whole head weight per segment.
-
-        ``weights="observed"`` (the prediction-aware split): ``alphas`` are the midpoints of ``m``
-        uniform steps, and step s gets the weight ``(f(beta_s) - f(beta_(s-1))) / <b - a, grad f(alpha_s)>``
-        so that ``<b - a, sum_s w_s grad f> = f(b) - f(a)`` exactly: each step's observed change is
-        split in proportion to the directional derivatives at its midpoint (a step whose slope is
-        below 1e-12 keeps the midpoint weight 1/m).
-
-        Args:
-            z_start, z_end: (b, V) node products; start, end: (b, d) working precision.
-            alphas: (m',) quadrature nodes; weights: (m',) their weights, or ``"observed"``.
-            index: (b, K) targets (and foils); offset: (V,) or None; quantity: as :meth:`__call__`.
+        With head output ``s(h) Z(h) + c``, ``p = softmax(z)`` and ``q = (dz/du) df/dz``:
+        ``grad f = J_norm^T W^T q`` and, for ``norm(h) = s(h) G * P h + b``,
+        ``J_norm^T v = P (s G * v - s^3 <G * P h, v> P h / d)``. As ``<G * P h, W^T q> = <Z(h), q>``,
+        the weighted sum needs one (V x d) product per segment, left to :meth:`_finish_gradients`,
+        which batches many segments into one. ``weights="observed"`` (prediction-aware): ``alphas`` are
+        the midpoints of m uniform steps, and step s gets ``(f(beta_s) - f(beta_(s-1))) / <b - a, grad
+        f(alpha_s)>`` so that ``<b - a, sum_s w_s grad f> = f(b) - f(a)`` exactly (a step whose slope is
+        below 1e-12 keeps 1/m).
 
         Returns:
             ``(summed (b, V), correction (b, d))``: ``sum_s w_s s_s q_s`` and the norm's second term.
@@ -1291,29 +1130,20 @@ class Readout:
                        quantity: str = "prob") -> tuple[torch.Tensor, torch.Tensor]:
         """f, or its slope, at ``h_j + alpha (h_(j+1) - h_j)`` for every segment j and alpha.
 
-        The slope is ``df/dalpha = <h_(j+1) - h_j, grad f>`` (probability per unit of alpha). When
-        the final norm has the form ``s(h) A h + b`` (RMSNorm, Gemma's RMSNorm, LayerNorm) and the
-        head is linear, this costs one head product per path node (a logit-lens pass, whose
-        values come back too) and elementwise work per point; otherwise every point is read out
-        on its own. The first call checks the factorised values against the direct readout and
-        falls back, with a warning, if they disagree.
+        With a final norm of the form ``s(h) A h + b`` and a linear head this costs one head product per
+        path node (whose f comes back as the lens) plus elementwise work per point; otherwise every
+        point is read out on its own. The first call checks the two against each other and falls back,
+        with a warning, if they disagree.
 
         Args:
-            nodes: (K+1, T, d) path nodes, baseline first.
-            targets: (T,) token ids.
-            alphas: (m',) positions along every segment.
-            slope: return ``df/dalpha`` instead of f.
-            weights: (m',) quadrature weights: return the weighted gradient sum
-                ``sum_s w_s grad f(h_j + alpha_s (h_(j+1) - h_j))`` (K, T, d) instead (see
-                :meth:`_segment_gradient`; needs the ``s(h) A h + b`` form); ``"observed"``: the
-                prediction-aware weights, ``alphas`` the midpoints of m uniform steps.
-            foils: (T,) token ids of a foil, or None; quantity: ``"prob"`` or ``"logprob"``
-                (see :meth:`__call__`).
+            nodes: (K+1, T, d) path nodes, baseline first; targets: (T,); alphas: (m',).
+            slope: return ``df/dalpha = <h_(j+1) - h_j, grad f>`` instead of f.
+            weights: (m',) quadrature weights: return ``sum_s w_s grad f`` (K, T, d) instead
+                (:meth:`_segment_gradient`); ``"observed"``: the prediction-aware weights.
+            foils, quantity: as :meth:`__call__`.
 
         Returns:
-            ``(values (K, T, m'), lens (K+1, T))``: f or its slope on the segments (or the gradient
-            sums, (K, T, d)), and f at the nodes; float32 (float64 for a float64 model), on the
-            CPU when ``nodes`` was.
+            ``(values (K, T, m') or (K, T, d), lens (K+1, T))``, working precision.
         """
         _check_quantity(quantity)
         K, T, d = nodes.shape[0] - 1, nodes.shape[1], nodes.shape[2]
@@ -1402,13 +1232,8 @@ class Readout:
 # 5. The integrator and its estimators
 # ---------------------------------------------------------------------------
 
-# -- ranking per-layer scores without ranking rounding -----------------------------------------
-#
-# A per-layer score is read in float32: a probability carries up to ~7e-6 of rounding
-# (``_target_prob``), a logit ~1e-6 per unit, and two machines (or thread counts) round
-# differently. Ranking or arg-maxing such values orders that rounding wherever the curve is flat
-# (near-zero probabilities that differ in their last bits). So every rank, arg-max, top-k and
-# threshold crossing of IG-Lens and of iglens_compare.py goes through :func:`tie_tolerance`.
+# -- ranks without rounding: float32 scores differ by machine in their last bits, so every rank,
+# arg-max, top-k and threshold crossing (here and in iglens_compare.py) uses tie_tolerance
 RANK_ATOL = 1e-5  # in the score's own units (probability, logit, restoration ratio)
 RANK_RTOL = 1e-4  # of the row's range max - min
 
@@ -1416,17 +1241,10 @@ RANK_RTOL = 1e-4  # of the row's range max - min
 def tie_tolerance(values) -> np.ndarray:
     """(..., 1) float64 tie tolerance of each row: ``RANK_ATOL + RANK_RTOL * (max - min)``.
 
-    Why these: ``RANK_ATOL = 1e-5`` is above the worst float32 rounding of a probability read by
-    the readout (7e-6 against float64, log-softmax at V = 49152), so two values that differ only
-    by the float path are never told apart; ``RANK_RTOL = 1e-4`` of the row's range covers scores
-    in larger units whose rounding grows with their size (logits of magnitude ~10 rounded at
-    ~1e-6 each, restoration ratios divided by a clean-corrupted gap >= 0.01). The range, not the
-    magnitude, sets the scale, so adding a constant to a row (the level ``f(h_L)`` against the
-    cumulative ``f(h_L) - f(h_0)``) leaves its ties, ranks and crossings unchanged. A float64 run
-    is held to the same tolerance, so it ranks exactly as a float32 one.
-
-    Args:
-        values: (..., n) scores along the last axis (torch or numpy; NaN gives NaN).
+    ``RANK_ATOL = 1e-5`` is above the worst float32 rounding of a probability read by the readout
+    (7e-6); ``RANK_RTOL = 1e-4`` of the row's range covers scores whose rounding grows with their
+    size (logits, restoration ratios). The range, not the magnitude, sets the scale, so adding a
+    constant to a row leaves its ties unchanged; float64 runs are held to the same tolerance.
     """
     x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
     if x.ndim == 0 or x.shape[-1] == 0:
@@ -1492,25 +1310,18 @@ def _check_trace(readout: Readout, trace: Trace) -> None:
 
 @dataclass
 class Attribution:
-    """IG-Lens attribution of the target probabilities of a trace (or of another readout f).
-
-    Units: ``f`` is the target probability by default; with ``quantity="logprob"`` its
-    log-probability (nats); with foils, the difference ``f(y) - f(foil)`` (for ``"logprob"`` the
-    logit difference ``z_y - z_foil``). Every value below is in the unit of ``f``.
+    """IG-Lens attribution of f, the target probability by default (``quantity="logprob"``: its
+    log-probability; with ``foils``: ``f(y) - f(foil)``). Every value is in the unit of f.
 
     Attributes:
         values: (T, K) f credited to each segment; rows sum to ``p_final - p_base``.
-        layers: (K,) segment end layers (``Lj``); segment j runs ``h_L(j-1) -> h_Lj``.
-        labels: (K,) segment names, e.g. ``"L12"`` or, at sublayer resolution, ``"L12.attn"``.
-        p_base: (T,) ``f(h_base)``.
-        p_final: (T,) ``f(h_n)``, the model's own probability (log-probability, difference).
-        lens: (T, K+1) ``f`` at the path nodes, the baseline first: the logit lens.
+        layers, labels: (K,) segment end layers and names (``"L12"``, ``"L12.attn"``).
+        p_base, p_final: (T,) f at the baseline and at ``h_n`` (the model's own value).
+        lens: (T, K+1) f at the path nodes, the baseline first: the logit lens.
         residual: max over tokens of ``|sum_j values - (p_final - p_base)|``.
-        targets, positions: (T,) as in the trace.
-        estimator, steps, baseline: how it was computed.
-        profile: (T, K, m+1) ``f`` on the uniform grid of every segment, or None.
-        quantity: ``"prob"`` or ``"logprob"`` (:data:`QUANTITIES`).
-        foils: (T,) the foil token of every position, or None.
+        targets, positions: (T,); estimator, steps, baseline: how it was computed.
+        profile: (T, K, m+1) f on the uniform grid of every segment, or None.
+        quantity: one of :data:`QUANTITIES`; foils: (T,) or None.
     """
     values: torch.Tensor
     layers: list[int]
@@ -1534,13 +1345,9 @@ class Attribution:
         return self.p_final - self.p_base
 
     def onset(self, frac: float = 0.5) -> torch.Tensor:
-        """(T,) first segment end layer at which the cumulative attribution reaches ``frac`` of Δp.
-
-        For a rise (Δp > 0) the first layer where ``cumsum >= frac * Δp``; for a fall the first
-        where ``cumsum <= frac * Δp``; a cumulative within :func:`tie_tolerance` of the goal
-        counts as reaching it, so rounding never moves the onset (and the last layer always
-        qualifies). With the prediction-aware estimator this is where the logit lens first
-        crosses ``p_base + frac * Δp``.
+        """(T,) first segment end layer where the cumulative attribution reaches ``frac`` of Δp (for a
+        fall: falls to it); within :func:`tie_tolerance` of the goal counts as reached, so rounding
+        never moves it. Prediction-aware: where the lens first crosses ``p_base + frac * Δp``.
         """
         if not 0.0 < frac <= 1.0:
             raise ValueError(f"frac must be in (0, 1], got {frac}")
@@ -1713,45 +1520,24 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
             quantity: str = "prob", foil=None) -> Attribution:
     """Telescoping Integrated Gradients of the target probability along the residual stream.
 
-    The gradient theorem holds for any scalar readout, so other readouts telescope too:
-    ``quantity="logprob"`` splits ``log p(y)`` (then the terms of all answer tokens add up to the
-    change of the whole answer's log-probability), and a ``foil`` splits ``p(y) - p(foil)`` or
-    ``log p(y) - log p(foil)``, which is exactly the logit difference ``z_y - z_foil`` that circuit
-    studies use. Closed-form gradients and the prediction-aware estimator work for each.
-
-    Cost. Without a profile the prediction-aware values need ``f`` only at the ``K+1`` path
-    nodes, since the steps of a segment telescope: the exact map costs one logit-lens pass
-    whatever ``steps`` is. With ``profile=True`` f is evaluated at every grid point of every
-    segment (``K*m + 1`` points per token: neighbouring segments share their endpoint) and the
-    values are summed step by step from it. Gradient estimators evaluate
-    ``<h_Lj - h_L(j-1), grad f>`` in closed form; nothing calls backward. Both read the grid
-    points through :meth:`Readout.along_segments`: the final norm is a per-point scale times a
-    linear map, so one head product per path node serves every point of the segments it ends,
-    and the per-point work is elementwise over the vocabulary.
+    Cost: without a profile the prediction-aware values need f only at the K+1 path nodes (one
+    logit-lens pass, whatever ``steps``); ``profile=True`` reads f at all ``K*m + 1`` grid points per
+    token. Gradient estimators evaluate ``<h_Lj - h_L(j-1), grad f>`` in closed form; nothing calls
+    backward. Both go through :meth:`Readout.along_segments` (one head product per path node).
+    Precision: the model's dtype; a float64 model runs in float64 end to end (:func:`float64_forward`).
 
     Args:
-        model: the causal LM that produced ``trace``.
-        trace: from :func:`collect`.
-        layers: segment end layers in ``1..n``, strictly increasing; ``n`` is appended when
-            missing; default every block.
-        baseline: ``"embedding"`` (``hidden[0]``), ``"zero"``, ``"mean"`` (mean embedding output
-            over the trace's positions), or a tensor of shape (d,) or (T, d).
-        steps: ``m``, steps per segment (>= 1).
-        estimator: one of :data:`ESTIMATORS`.
-        profile: also return ``f`` on the uniform grid of every segment, (T, K, m+1).
+        model: the causal LM that produced ``trace`` (from :func:`collect`).
+        layers: segment end layers in ``1..n``, strictly increasing (n appended); default every block.
+        baseline: ``"embedding"`` (``hidden[0]``), ``"zero"``, ``"mean"`` (over the trace's
+            positions), or a tensor (d,) or (T, d).
+        steps: m >= 1; estimator: one of :data:`ESTIMATORS`.
+        profile: also return f on the uniform grid of every segment, (T, K, m+1).
         resolution: ``"layer"`` or ``"sublayer"`` (attention and MLP of every block, 2n segments).
-        readout: a :class:`Readout` to reuse (memory budget, explicit norm/head).
-        quantity: ``"prob"`` (f = p(y), default) or ``"logprob"`` (f = log p(y), nats).
-        foil: None, one token id, or (T,) ids: f becomes ``f(y) - f(foil)``.
-
-    Precision: everything runs in the model's dtype; ``model.double()`` gives a float64 run,
-    which separates rounding from method error: :func:`float64_forward` makes the norms and the
-    rotary embeddings that transformers computes in float32 compute in float64 too (on SmolLM2
-    the block DLAs plus the rest then match the target logit within 2.5e-14, against 6e-7
-    without it), and warns naming any part that stays float32.
-
-    Returns:
-        An :class:`Attribution` (its ``quantity`` and ``foils`` say what f was).
+        readout: a :class:`Readout` to reuse.
+        quantity: ``"prob"`` or ``"logprob"`` (the terms of all answer tokens then add up to the
+            change of the answer's log-probability); foil: None, one id or (T,) ids: f becomes
+            ``f(y) - f(foil)`` (with ``"logprob"``, the logit difference ``z_y - z_foil``).
     """
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
@@ -1808,20 +1594,11 @@ def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.
     return readout(trace.hidden, trace.targets[None]).T
 
 
-# -- components: every attention head and every MLP neuron ------------------------------------
-#
-# Within block L the attention increment is a sum of parts, one per head plus the bias:
-# ``mid - a = D (sum_h W_O[:, slice_h] z_h + b_O)``, and so is the MLP increment, one per neuron:
-# ``b - mid = D (sum_i act_i W_down[:, i] + b_down)``. ``D`` is the identity, or, where a norm acts
-# on the sublayer output (Gemma 2/3's post-attention / post-feedforward RMSNorm
-# ``N(u) = G * u / rms(u)``), the diagonal map ``diag(G / rms(u))`` at that position: rms(u) is
-# one number per position, so ``N(sum_k u_k) = sum_k G * u_k / rms(u)`` exactly. IG along the
-# straight segment credits part k with ``integral <delta_k, grad f> d alpha``, and since delta_k
-# does not depend on alpha that is ``<delta_k, gbar>`` with ``gbar = sum_s w_s grad f(point_s)``.
-#
-# A head's output is itself a sum over the positions it reads, ``z_h(t) = sum_s A_h(t, s) v_h(s)``
-# (its pattern row A_h(t, .) sums to 1, so a value bias splits too), so given the pattern the
-# head's part splits exactly over source positions s: ``<D W_O[:, slice_h] A_h(t, s) v_h(s), gbar>``.
+# -- components: the attention increment is ``D (sum_h W_O[:, slice_h] z_h + b_O)``, the MLP's
+# ``D (sum_i act_i W_down[:, i] + b_down)``; ``D`` is the identity or, under a post-norm (Gemma's
+# ``G * u / rms(u)``, one rms per position), ``diag(G / rms(u))``. A fixed part delta_k gets
+# ``<delta_k, gbar>``, ``gbar = sum_s w_s grad f(point_s)``; a head's part splits further over
+# ``z_h(t) = sum_s A_h(t, s) v_h(s)`` (pattern rows sum to 1, so a value bias splits too).
 
 COMPONENT_RESOLUTIONS = ("head", "neuron", "both", "source", "all")
 
@@ -1869,19 +1646,13 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *
     """``<delta_k, v>`` for every part k of one sublayer of every block: heads or neurons, bias last.
 
     Args:
-        trace: from :func:`collect_components` (with ``sources=True`` for ``sources``).
-        vectors: (n, T, d) or (T, d) one vector per block and token (the same for every block).
-        sublayer: ``"attn"`` (parts: the H heads, then the output bias) or ``"mlp"`` (the d_ff
-            neurons, then the bias). The bias part also carries nothing else: the parts rebuild
-            the increment, which the second return value lets a caller check.
-        sources: ``"attn"`` only: also split every head's part over the source positions it
-            reads, ``<D W_O[:, h] A_h(t, s) v_h(s), v>`` (see :func:`components`).
-        memory_budget: bytes the source products' temporaries may take.
+        trace: from :func:`collect_components`; vectors: (n, T, d) or (T, d).
+        sublayer: ``"attn"`` (the H heads, then the bias) or ``"mlp"`` (the d_ff neurons, then the bias).
+        sources: ``"attn"`` only: also split each head's part over its source positions.
 
     Returns:
-        ``(terms (T, n, P + 1), increments (n, T, d), sources (T, n, H, S) or None)`` float64: the
-        products, each block's increment rebuilt from its parts (``sum_k delta_k``), and the
-        head parts per source position.
+        ``(terms (T, n, P + 1), increments (n, T, d), sources (T, n, H, S) or None)`` float64; the
+        increments are rebuilt from the parts, for the caller to check against the stream.
     """
     if sublayer not in ("attn", "mlp"):
         raise ValueError(f"sublayer must be 'attn' or 'mlp', got {sublayer!r}")
@@ -1921,29 +1692,18 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *
 
 @dataclass
 class Components:
-    """IG-Lens at component resolution: every head's and every neuron's share of Δp.
-
-    Units: those of f, the target probability by default (see ``quantity`` and ``foils``, as in
-    :class:`Attribution`).
+    """IG-Lens at component resolution, in the unit of f (as :class:`Attribution`).
 
     Attributes:
-        heads: (T, n, H + 1) f credited to each head of each block's attention, the output bias
-            last; or None (``resolution="neuron"``).
+        heads: (T, n, H + 1) f credited to each head, the output bias last; or None.
         neurons: (T, n, d_ff + 1) the same for each MLP neuron, the down-projection bias last; or None.
-        attn: (T, n) the attention terms ``f(mid_L) - f(h_(L-1))`` the heads add up to.
-        mlp: (T, n) the MLP terms ``f(h_L) - f(mid_L)`` the neurons add up to.
-        residual_heads, residual_neurons: ``max |heads.sum(-1) - attn|`` (and for the neurons):
-            the quadrature error of the estimator (NaN when not computed).
-        rebuild: max over blocks and tokens of ``|sum_k delta_k - increment| / |increment|``, the
-            parts against the recorded residual stream (float rounding only).
-        lens: (T, 2n+1) ``f`` at ``h_0, mid_1, h_1, ..., mid_n, h_n``.
-        targets, positions: (T,); estimator, steps: how the integrals were computed.
-        sources: (T, n, H, S) or None (``resolution="source"`` or ``"all"``): f credited to head h
-            of block L for what it moved into the predicting position from position s of the
-            sequence (``S = L``; zero for s after the position); ``sources.sum(-1)`` is
-            ``heads[..., :H]`` up to float rounding.
-        residual_sources: ``max |sources.sum(-1) - heads[..., :H]|`` (NaN when not computed).
-        quantity: ``"prob"`` or ``"logprob"``; foils: (T,) or None.
+        attn, mlp: (T, n) the sublayer terms ``f(mid_L) - f(h_(L-1))``, ``f(h_L) - f(mid_L)``.
+        residual_heads, residual_neurons, residual_sources: ``max |parts.sum(-1) - term|`` (NaN
+            when not computed): the estimator's quadrature error.
+        rebuild: max relative gap between the parts' sum and the recorded increment (rounding).
+        lens: (T, 2n+1) f at ``h_0, mid_1, h_1, ..., mid_n, h_n``.
+        sources: (T, n, H, S) or None: f credited to head h of block L for what it moved into the
+            predicting position from position s (zero after it); sums over s to ``heads[..., :H]``.
     """
     heads: Optional[torch.Tensor]
     neurons: Optional[torch.Tensor]
@@ -1983,52 +1743,26 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
                quantity: str = "prob", foil=None) -> Components:
     """Every attention head and every MLP neuron of every block, in probability, adding up.
 
-    Segments: the 2n sublayer segments of ``ig_lens(resolution="sublayer")``, ``h_(L-1) -> mid_L``
-    (attention) and ``mid_L -> h_L`` (MLP). Part k of a segment (a head's output through its slice
-    of the output projection, or a neuron's activation times its column of the down projection,
-    each through the post-norm's diagonal map where there is one; the bias last) gets
-    ``phi_k = sum_s w_s <delta_k, grad f(a + alpha_s (b - a))>``. The parts of a segment add up to
-    its gradient-estimator value, which tends to ``f(b) - f(a)`` as ``steps`` grows (Gauss-Legendre:
-    to the float floor by m of 16-64; ``residual_heads`` / ``residual_neurons`` report it).
+    On the 2n sublayer segments of ``ig_lens(resolution="sublayer")``, part k (a head through its
+    slice of the output projection, or a neuron through its column of the down projection, each
+    through the post-norm's diagonal map where there is one; the bias last) gets
+    ``phi_k = sum_s w_s <delta_k, grad f(a + alpha_s (b - a))>``; the parts add up to the segment's
+    gradient-estimator value (``residual_*``). ``"prediction_aware"`` splits each of m uniform steps'
+    observed change among the parts by ``<delta_k, grad f>`` at the midpoint: exact at every m.
 
-    Sources (``resolution="source"`` or ``"all"``, on a trace from
-    ``collect_components(..., sources=True)``): a head's output at the predicting position t is
-    ``z_h(t) = sum_s A_h(t, s) v_h(s)``, linear in the value vectors given the model's own pattern,
-    so the head's part splits exactly over the source positions s:
-    ``sources[t, L, h, s] = <D W_O[:, slice_h] A_h(t, s) v_h(s), gbar>``, adding up to the head's
-    share. The honest reading is one hop: "head h of block L moved this much probability into
-    position t from the residual stream at s", not "input token s caused it"; what built the stream
-    at s is earlier blocks' work, and the pattern is taken as given (its own dependence on the
-    stream is not attributed). :meth:`Components.by_source` sums over blocks and heads.
+    Sources: ``z_h(t) = sum_s A_h(t, s) v_h(s)`` is linear in the values given the pattern, so a
+    head's part splits exactly over source positions. Read it as one hop: "head h of block L moved
+    this much into t from the stream at s"; the pattern is taken as given.
 
-    Readouts: ``quantity`` and ``foil`` as in :func:`ig_lens` (f = p(y), log p(y), or their
-    difference with a foil); every share is then in the unit of f.
-
-    Cost: the weighted gradient sum ``sum_s w_s grad f`` of every segment in closed form, with no
-    backward pass: one head product per path node and one per segment (:meth:`Readout._segment_gradient`),
-    then each block's shares from one (d x P) product with its projection weight, and the sources
-    from one (T x head_dim x S) product per head. Never a backward per component. Memory: grid
-    points and source products are chunked to the readout's ``memory_budget``; the trace holds
-    activations, (T, H * head_dim) and (T, d_ff) per block, and with sources the patterns
-    (T, H, S) and values (S, H_kv, head_dim) per block; ``sources`` itself is (T, n, H, S). Every
-    resolution costs the same gradient pass (all 2n segments); ``resolution`` picks what is split.
+    Cost: the gradient sums in closed form (no backward), then one (d x P) product per block and
+    sublayer, and one (T x head_dim x S) product per head for sources; chunked to the readout's
+    ``memory_budget``.
 
     Args:
-        model: the causal LM that produced ``trace``.
         trace: from :func:`collect_components` (``sources=True`` for the sources).
-        resolution: ``"head"``, ``"neuron"``, ``"both"`` (heads and neurons), ``"source"`` (heads
-            and sources) or ``"all"`` (heads, neurons and sources).
-        steps: m, quadrature points per segment (>= 1).
-        estimator: one of :data:`ESTIMATORS`. The gradient estimators integrate as above;
-            ``"prediction_aware"`` splits the observed change of each of m uniform steps,
-            ``f(beta_s) - f(beta_(s-1))``, among the parts in proportion to ``<delta_k, grad f>`` at
-            the step's midpoint: the parts then add up to ``f(b) - f(a)`` exactly at every m (up to
-            float rounding), and each share tends to the same integral as m grows.
-        readout: a :class:`Readout` to reuse (memory budget).
-        quantity: ``"prob"`` (default) or ``"logprob"``; foil: None, one token id or (T,) ids.
-
-    Returns:
-        A :class:`Components`.
+        resolution: one of :data:`COMPONENT_RESOLUTIONS`: ``"head"``, ``"neuron"``, ``"both"``,
+            ``"source"`` (heads and sources) or ``"all"``.
+        steps, estimator, readout, quantity, foil: as :func:`ig_lens` (Gauss-Legendre by default).
     """
     if resolution not in COMPONENT_RESOLUTIONS:
         raise ValueError(f"resolution must be one of {COMPONENT_RESOLUTIONS}, got {resolution!r}")

@@ -533,18 +533,18 @@ _PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank"
 
 
 def _not_zero(size: np.ndarray) -> np.ndarray:
-    """(m,) bool: which of the sizes ``|share|`` (m,) are not tied with 0, i.e. exceed the tie
-    tolerance of the row ``[0, size]`` (:func:`iglens_core.tie_tolerance`)."""
-    return size > tie_tolerance(np.append(size, 0.0))[0]
+    """(m,) bool: which sizes ``|share|`` (m,) are not tied with 0 (above the row's
+    :func:`iglens_core.tie_tolerance`, as :func:`iglens_compare.top_positive` decides)."""
+    return size > tie_tolerance(size)[0]
 
 
 def top_parts(shares, k: int) -> np.ndarray:
     """Flat indices of the ``k`` parts of largest ``|share|``, in order, never one tied with 0.
 
-    The project's tie rule (:func:`iglens_core.tie_tolerance`, :func:`iglens_compare.top_indices`):
-    a part whose ``|share|`` lies within the tolerance of the row ``[0, |shares|]`` is tied with 0
-    and never picked (so fewer than ``k`` come back when fewer stand out from 0); among the rest,
-    values within the tolerance of each other are ties, broken by the lower flat index.
+    :func:`iglens_compare.top_positive` of ``|shares|``: the project's tie rule, values within
+    :func:`iglens_core.tie_tolerance` of each other are ties broken by the lower flat index, and a
+    part whose ``|share|`` is within it of 0 is never picked (so fewer than ``k`` come back when
+    fewer stand out from 0).
 
     Args:
         shares: (...,) one token's parts, e.g. (n, H, S) sources; flattened in C order.
@@ -553,12 +553,9 @@ def top_parts(shares, k: int) -> np.ndarray:
     Returns:
         (<= k,) int64 flat indices into ``shares``.
     """
-    from iglens_compare import top_indices
+    from iglens_compare import top_positive
     size = np.abs(np.asarray(torch.as_tensor(shares, dtype=torch.float64)).reshape(-1))
-    candidates = np.flatnonzero(_not_zero(size))
-    if len(candidates) == 0:
-        return candidates
-    return candidates[top_indices(size[candidates], min(k, len(candidates)))]
+    return top_positive(size, min(k, size.size))
 
 
 def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resolution: str, top_k: int,

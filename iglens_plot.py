@@ -1,15 +1,17 @@
 """IG-Lens figures: the static heatmap, the one helper every figure is saved through, and the
 interactive view (a standalone HTML file).
 
-Figures go to ``figures/`` unless the environment variable ``IGLENS_FIGURES`` names another folder
-(``make test`` points it at ``build/figures`` so that checking the notebooks never rewrites the
-committed figures).
+Figures go to the folder named by the environment variable ``IGLENS_FIGURES``; without it, in a
+checkout, to ``build/figures``. Only ``make reproduce`` (the main job) writes the committed
+``figures/``, so a notebook run with other parameters (papermill ``-p``/``-f``, JupyterLab) never
+overwrites them.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
@@ -20,7 +22,10 @@ from iglens_core import QUANTITIES, Attribution, Components
 
 ROOT = Path(__file__).resolve().parent
 # a checkout's figures/ folder; once installed as a package, figures/ under the working directory
-FIGURES = ROOT / "figures" if (ROOT / "pyproject.toml").exists() else Path.cwd() / "figures"
+# Where figures go: the folder named by IGLENS_FIGURES; else, in a checkout, build/figures (the
+# committed figures/ are written only by `make reproduce`, which points IGLENS_FIGURES at them, so
+# a notebook run with other parameters never overwrites them); once installed, ./figures.
+FIGURES = ROOT / "build" / "figures" if (ROOT / "pyproject.toml").exists() else Path.cwd() / "figures"
 
 
 def save_figure(fig, name: str, *, pdf: bool = False, folder: Optional[Path] = None) -> Path:
@@ -104,16 +109,57 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
     sums.set_yticks(range(T), [f"Σ={values[t].sum():+.3f}  {delta}={attribution.delta_p[t]:+.3f}"
                                for t in range(T)], fontsize=8)
     sums.tick_params(length=0)
-    fig.colorbar(image, ax=ax, label=f"attribution (Δ {f})", pad=0.01)
-    ax.set_title(title or f"IG-Lens ({attribution.estimator}, m={attribution.steps})")
+    # a colour bar's length is ``aspect`` times its width: scale it with the height so that it
+    # spans the panel however many tokens there are
+    aspect = 20 * max(1.0, figsize[1] / 4.5)
+    fig.colorbar(image, ax=ax, label=f"attribution (Δ {f})", pad=0.01, aspect=aspect)
+    ax.set_title(f"IG-Lens ({attribution.estimator}, m={attribution.steps})")
+    if title:  # above both panels, wrapped: a long answer must not run into the lens panel
+        fig.suptitle(textwrap.fill(title, width=int(figsize[0] * 11)), fontsize=10)
     lens_image = ax_lens.imshow(lens, aspect="auto", cmap="viridis",
                                 **(dict(vmin=0, vmax=1) if bounded else {}))
     ax_lens.set_yticks([])
     ax_lens.set_xticks(_tick_indices(K + 1, 10))
     ax_lens.set_xlabel("path node (0 = baseline)")
     ax_lens.set_title("logit lens f(h_L)")
-    fig.colorbar(lens_image, ax=ax_lens, label=f"target {f}", pad=0.01)
+    fig.colorbar(lens_image, ax=ax_lens, label=f"target {f}", pad=0.01, aspect=aspect)
     return fig
+
+
+def plot_trajectories(ax, attribution: Attribution, tokens: Sequence[str], *, onset_frac: float = 0.5,
+                      title: str = "", max_legend: int = 10):
+    """The logit lens ``f(h_L)`` of every target token against the layer, a dot at its onset.
+
+    Up to ``max_legend`` tokens get a legend entry each; beyond that the curves are coloured by
+    token index (a colour bar instead of a legend that would cover them).
+
+    Args:
+        ax: the matplotlib axes to draw on.
+        attribution: from :func:`iglens_core.ig_lens`.
+        tokens: (T,) labels of the target tokens.
+        onset_frac: the onset is the first layer where this share of Δp is built.
+        title: shortened to one line.
+    """
+    import matplotlib.pyplot as plt
+    T = len(tokens)
+    if T != len(attribution.values):
+        raise ValueError(f"tokens must hold one label per target token ({len(attribution.values)}), got {T}")
+    nodes = [0] + list(attribution.layers)
+    many = T > max_legend
+    colours = plt.cm.viridis(np.linspace(0, 0.9, T)) if many else plt.cm.tab10(np.arange(T) % 10)
+    onset = attribution.onset(onset_frac).tolist()
+    for t, token in enumerate(tokens):
+        ax.plot(nodes, attribution.lens[t].numpy(), color=colours[t], lw=1.4, label=repr(token))
+        ax.plot(onset[t], float(attribution.lens[t, nodes.index(onset[t])]), "o", color=colours[t], ms=4)
+    ax.axhline(0.5, color="grey", ls=":", lw=1)
+    ax.set_xlabel("layer (0 = baseline)")
+    ax.set_title(textwrap.shorten(title, width=70, placeholder=" …"), fontsize=10)
+    if many:
+        from matplotlib.colors import ListedColormap
+        scale = plt.cm.ScalarMappable(cmap=ListedColormap(colours), norm=plt.Normalize(-0.5, T - 0.5))
+        ax.figure.colorbar(scale, ax=ax, label="target token index", pad=0.01)
+    else:
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
 
 
 def _html_path(path) -> Path:

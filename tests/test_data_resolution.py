@@ -51,7 +51,7 @@ def _check_item(model, tokenizer, item, got, block_rows, resolution, top_k, foil
         np.testing.assert_array_equal(top["share"].to_numpy(), split[t][tuple(at)].numpy())
         # the top k by |share| with the tie rule: none tied with 0, none left out that is larger
         size = split[t].abs().reshape(-1).numpy()
-        tol = float(ig.tie_tolerance(np.append(size, 0.0))[0])
+        tol = float(ig.tie_tolerance(size)[0])
         assert len(top) == min(top_k, int((size > tol).sum()))
         picked = np.ravel_multi_index(tuple(at), split[t].shape)
         left = np.delete(size, picked)
@@ -63,7 +63,7 @@ def _check_item(model, tokenizer, item, got, block_rows, resolution, top_k, foil
         if resolution == "source":
             heads = rows[rows["kind"] == "head_total"]  # every head not tied with 0, in (block, head) order
             every = shares[t, :, :-1].reshape(-1).numpy()
-            kept = np.abs(every) > ig.tie_tolerance(np.append(np.abs(every), 0.0))[0]
+            kept = np.abs(every) > ig.tie_tolerance(np.abs(every))[0]
             np.testing.assert_array_equal(heads["share"].to_numpy(), every[kept])
             H = shares.shape[-1] - 1
             np.testing.assert_array_equal((heads["block"].to_numpy(int) - 1) * H + heads["head"].to_numpy(int),

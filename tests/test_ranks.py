@@ -111,3 +111,19 @@ def test_cumulative_and_level_give_the_same_spearman_packaged(packaged):
         # within rounding, where exact ranks of the two curves differ (10 of 29 tokens measured)
         ids = torch.cat([ids, torch.randint(0, len(tokenizer), (1, 8), generator=generator)], 1)
         _assert_same_spearman(*_cumulative_vs_level(model, ig.collect(model, ids, prompt_len)), rng)
+
+
+def test_top_positive_skips_parts_tied_with_zero():
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        x = np.zeros(40)
+        live = rng.choice(40, size=rng.integers(1, 8), replace=False)
+        x[live] = rng.uniform(0.05, 1.0, size=len(live))
+        noisy = x + rng.normal(0, 1e-9, size=40)          # zeros become +-1e-9: rounding, not signal
+        for k in (1, 5, 10):
+            top = cmp.top_positive(noisy, k)
+            expected = np.argsort(-x, kind="stable")[:min(k, len(live))]
+            assert sorted(top.tolist()) == sorted(expected.tolist())
+            assert (noisy[top] > 1e-5).all()
+    with pytest.raises(ValueError, match="1-D"):
+        cmp.top_positive(np.zeros((2, 3)), 1)
