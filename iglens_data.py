@@ -541,10 +541,11 @@ def _not_zero(size: np.ndarray) -> np.ndarray:
 def top_parts(shares, k: int) -> np.ndarray:
     """Flat indices of the ``k`` parts of largest ``|share|``, in order, never one tied with 0.
 
-    :func:`iglens_compare.top_positive` of ``|shares|``: the project's tie rule, values within
-    :func:`iglens_core.tie_tolerance` of each other are ties broken by the lower flat index, and a
-    part whose ``|share|`` is within it of 0 is never picked (so fewer than ``k`` come back when
-    fewer stand out from 0).
+    The project's tie rule, as :func:`iglens_compare.top_positive` of ``|shares|`` applies it (this
+    module may not import that one; ``tests/test_data_resolution.py`` checks that the two agree):
+    sorted values closer than :func:`iglens_core.tie_tolerance` join one group (single linkage), a
+    group's members go by the lower flat index, and a part whose ``|share|`` is within the tolerance
+    of 0 is never picked (so fewer than ``k`` come back when fewer stand out from 0).
 
     Args:
         shares: (...,) one token's parts, e.g. (n, H, S) sources; flattened in C order.
@@ -553,9 +554,12 @@ def top_parts(shares, k: int) -> np.ndarray:
     Returns:
         (<= k,) int64 flat indices into ``shares``.
     """
-    from iglens_compare import top_positive
     size = np.abs(np.asarray(torch.as_tensor(shares, dtype=torch.float64)).reshape(-1))
-    return top_positive(size, min(k, size.size))
+    tolerance = tie_tolerance(size)[0]
+    order = np.argsort(-size, kind="stable")  # largest first
+    group = np.concatenate([[0], np.cumsum(-np.diff(size[order]) > tolerance)])
+    top = order[np.lexsort((order, group))][:k]  # by group, then by index within a group
+    return top[size[top] > tolerance]
 
 
 def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resolution: str, top_k: int,

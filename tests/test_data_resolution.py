@@ -102,12 +102,22 @@ def test_parts_equal_components_of_each_item(tokenizer, arch, resolution, quanti
 
 
 def test_top_parts_tie_rule():
-    """Zero-tied parts are never picked; ties within rounding go to the lower index."""
-    shares = torch.tensor([0.0, 3e-6, -0.2, 0.2 + 1e-7, 0.1, -4e-6, 0.05])
+    """Zero-tied parts are never picked; ties within rounding go to the lower index; the same picks
+    as cmp.top_positive of |share| (the project's rule, which iglens_data may not import)."""
+    import iglens_compare as cmp
+    shares = torch.tensor([0.0, 3e-6, -0.2, 0.2 + 1e-7, 0.1, -4e-6, 0.05], dtype=torch.float64)
     assert igd.top_parts(shares, 3).tolist() == [2, 3, 4]
     assert igd.top_parts(shares, 10).tolist() == [2, 3, 4, 6]  # 0, 3e-6 and -4e-6 are tied with 0
     assert igd.top_parts(torch.zeros(2, 3), 2).tolist() == []
     assert igd.top_parts(-shares.flip(0), 2).tolist() == [3, 4]
+    gen = np.random.default_rng(0)
+    for trial in range(200):  # chains of near ties, exact ties, values near 0, grids
+        size = int(gen.integers(1, 40))
+        values = gen.choice([0.0, 1e-6, 0.01, 0.02, 0.5], size) * gen.choice([-1, 1], size)
+        values = values + gen.normal(0, [1e-6, 1e-3, 0.1][trial % 3], size) * (gen.random(size) < 0.5)
+        k = int(gen.integers(1, size + 3))
+        want = cmp.top_positive(np.abs(values), min(k, size))
+        assert igd.top_parts(values.reshape(1, -1), k).tolist() == want.tolist(), (values, k)
 
 
 def test_resume_refuses_other_resolution(tmp_path, tokenizer):
