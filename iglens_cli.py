@@ -15,8 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from iglens_core import BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, Attribution, collect, ig_lens, load_model
-from iglens_data import attribute_dataset, encode
+from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, Attribution, collect, collect_components,
+                         components, ig_lens, load_model)
+from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, encode, parts_path
 from iglens_plot import _html_path, format_table, to_html
 
 
@@ -80,6 +81,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batch-size", type=_positive_int, default=16,
                         help="with --dataset: items per batch")
     parser.add_argument("--resume", action="store_true", help="with --dataset: skip ids in OUT.parts/")
+    parser.add_argument("--resolution", default=None, choices=DATASET_RESOLUTIONS,
+                        help="with --dataset: also split every answer token over heads, neurons or "
+                             "(head, source token) pairs and write the top parts, the per-head and "
+                             "per-source-token sums to OUT.components.parquet (baseline embedding); "
+                             "source with --html: the views gain the source-token panel (with a "
+                             "prompt: source and --html only)")
+    parser.add_argument("--top-k", default=None, type=_positive_int, metavar="K",
+                        help="with --resolution: parts written per answer token, an integer >= 1 "
+                             "(default 20)")
     parser.add_argument("--html", default=None, metavar="OUT.html",
                         help="also write the interactive view (layer and sublayer) to this file; "
                              "with --dataset a folder: one view per item, ID.html")
@@ -88,6 +98,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("give exactly one of a prompt or --dataset FILE")
     if args.dataset is not None and args.out is None:
         parser.error("--dataset needs --out OUT.parquet (where the results are written)")
+    if args.top_k is not None and args.resolution is None:
+        parser.error("--top-k needs --resolution source|head|neuron (the parts it counts)")
+    if args.prompt is not None and args.resolution is not None and (args.resolution != "source" or not args.html):
+        parser.error("with a prompt, --resolution takes only source, with --html (the source-token panel); "
+                     "head and neuron tables: --dataset")
     torch.set_grad_enabled(False)
     if args.dataset is not None:
         return _main_dataset(args)
@@ -102,6 +117,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
                             estimator=args.estimator, resolution="sublayer", quantity=args.quantity)
                     if html_path is not None else None)
+        sources = None
+        if args.resolution == "source":
+            if args.baseline != "embedding":
+                raise ValueError(f"--resolution source splits the path from the embedding output h_0, "
+                                 f"so it needs --baseline embedding, got {args.baseline!r}")
+            sources = components(model, collect_components(model, input_ids, prompt_len, sources=True),
+                                 resolution="source", steps=args.steps, estimator=args.estimator,
+                                 quantity=args.quantity)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -109,7 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"model: {args.model}   answer: {tokenizer.decode(trace.targets)!r}")
     print(format_table(attribution, tokens))
     if html_path is not None:
-        print(f"interactive view: {to_html(attribution, tokens, html_path, sublayer=sublayer)}")
+        source_tokens = [tokenizer.decode([i]) for i in input_ids[0].tolist()] if sources is not None else None
+        print(f"interactive view: {to_html(attribution, tokens, html_path, sublayer=sublayer, sources=sources, source_tokens=source_tokens)}")
     return 0
 
 
@@ -122,13 +146,15 @@ def _main_dataset(args) -> int:
         if args.html and not Path(args.html).is_dir():
             raise ValueError(f"with --dataset, --html names an existing folder, got {args.html!r}")
         model, tokenizer = load_model(args.model, device=device)
-        results, errors = attribute_dataset(
+        tables = attribute_dataset(
             model, tokenizer, args.dataset, layers=args.layers, steps=args.steps,
             estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
             batch_size=args.batch_size, out=args.out, resume=args.resume,
             max_new_tokens=args.max_new_tokens, prompt_column=args.prompt_column,
             answer_column=args.answer_column, id_column=args.id_column, quantity=args.quantity,
-            foil_column=args.foil_column)
+            foil_column=args.foil_column, resolution=args.resolution,
+            top_k=args.top_k if args.top_k is not None else 20)
+        results, errors = tables[:2]
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -141,13 +167,18 @@ def _main_dataset(args) -> int:
         print(f"{results['id'].nunique()} items done, {len(errors)} failed, worst residual "
               f"{worst:.1e}, {stats['items_per_s']:.2f} items/s ({stats['items_run']} run in "
               f"{stats['seconds']:.1f} s)" + (f"; results in {args.out}" if args.out else ""))
+        if args.resolution is not None:
+            print(f"{len(tables[2])} {args.resolution} rows (top {args.top_k or 20} per answer token, "
+                  f"sums, rest) in {parts_path(args.out)}")
         if args.html:
-            print(f"interactive views: {len(_dataset_views(results, args))} files in {args.html}")
+            views = _dataset_views(results, args, tables[2] if args.resolution == "source" else None)
+            print(f"interactive views: {len(views)} files in {args.html}")
     return 0
 
 
-def _dataset_views(results, args) -> list[Path]:
-    """``--dataset --html DIR``: one view per item, ``DIR/<id>.html``, sharing one plotly.min.js."""
+def _dataset_views(results, args, parts=None) -> list[Path]:
+    """``--dataset --html DIR``: one view per item, ``DIR/<id>.html``, sharing one plotly.min.js;
+    with ``parts`` (the parts table of ``--resolution source``) each gains the source-token panel."""
     import re
     written = []
     for item, rows in results.groupby("id", sort=False):
@@ -157,9 +188,12 @@ def _dataset_views(results, args) -> list[Path]:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(item))
         if Path(args.html) / f"{name}.html" in written:  # two ids that differ only in odd characters
             name += f"-{len(written)}"
+        quantity, foil = rows["quantity"].iloc[0], bool(rows["foil"].notna().any())
         written.append(to_html(attribution, tokens.tolist(), Path(args.html) / f"{name}.html",
-                               title=f"{item}: max |row sum - Δp| = {attribution.residual:.1e}",
-                               plotlyjs="directory"))
+                               title=f"{item} ({quantity}{', foil ' + repr(rows['foil'].iloc[0]) if foil else ''}): "
+                                     f"max |row sum - Δ| = {attribution.residual:.1e}",
+                               plotlyjs="directory", quantity=quantity, foil=foil,
+                               sources=parts[parts["id"] == item] if parts is not None else None))
     return written
 
 

@@ -7,7 +7,8 @@ The method lives in :mod:`iglens_core`; this module imports it and holds what fe
 sequences in batches), reading the input file, greedy answers in batches, :func:`ig_lens_batch` (one readout pass
 for a whole batch), parquet shards written atomically, ``resume``, and the split of items over the
 ranks of ``torchrun`` / ``accelerate``. :func:`attribute_dataset` is the entry point; the command
-line's ``--dataset`` calls it.
+line's ``--dataset`` calls it. With ``resolution=`` it also writes a long table of each item's top
+parts (heads, neurons or (head, source token) pairs) and their sums, :func:`parts_path`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, _baseline, _check_quantity, _check_sequence,
-                         _check_steps, _context_length, _logits_at_end, _stream_hooks, check_foil,
-                         check_layers, get_adapter, ig_lens, model_fingerprint, precision)
+from iglens_core import (ESTIMATORS, Attribution, Components, Readout, Trace, _baseline, _check_quantity,
+                         _check_sequence, _check_steps, _context_length, _logits_at_end, _stream_hooks,
+                         check_foil, check_layers, collect_components, components, get_adapter, ig_lens,
+                         model_fingerprint, precision, tie_tolerance)
 
 
 # ---------------------------------------------------------------------------
@@ -462,14 +464,17 @@ def _read_shards(parts: Path, kind: str, prefix: str = ""):
     return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else None
 
 
-def _tables(results, errors):
-    """Results and errors frames (None: empty), without the shard column, in input order."""
+def _tables(results, errors, pieces=None):
+    """Results, errors and parts frames (None: empty), without the shard column, in input order."""
     import pandas as pd
     results = results if results is not None else pd.DataFrame(columns=_RESULT_COLUMNS)
     errors = errors if errors is not None else pd.DataFrame(columns=["row", "id", "error"])
+    pieces = pieces if pieces is not None else pd.DataFrame(columns=_PART_COLUMNS)
     results = results.drop(columns="shard", errors="ignore").sort_values(["row", "token_index", "segment"])
     errors = errors.drop(columns="shard", errors="ignore").sort_values("row")
-    return results.reset_index(drop=True), errors.reset_index(drop=True)
+    # an item's rows keep their written order (kind, rank) within its token
+    pieces = pieces.drop(columns="shard", errors="ignore").sort_values(["row", "token_index"], kind="stable")
+    return results.reset_index(drop=True), errors.reset_index(drop=True), pieces.reset_index(drop=True)
 
 
 def errors_path(out: Union[str, Path]) -> Path:
@@ -478,18 +483,32 @@ def errors_path(out: Union[str, Path]) -> Path:
     return out.with_name(out.stem + ".errors" + (out.suffix or ".parquet"))
 
 
-def _merge_shards(parts: Path, out: Path):
-    """Rank 0: every shard -> the final results and errors files, each item exactly once."""
+def parts_path(out: Union[str, Path]) -> Path:
+    """Where :func:`attribute_dataset` writes the parts table: ``X.parquet`` -> ``X.components.parquet``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".components" + (out.suffix or ".parquet"))
+
+
+def _merge_shards(parts: Path, out: Path, split: bool = False):
+    """Rank 0: every shard -> the final results, errors (and, ``split``, parts) files, each item
+    exactly once; the parts of an item come from the shard its results come from."""
     results, errors = _read_shards(parts, "results"), _read_shards(parts, "errors")
+    pieces = _read_shards(parts, "components") if split else None
     if results is not None:  # an id is in one shard only, unless two runs wrote the folder at once
         results = results[results["shard"] == results.groupby("id")["shard"].transform("min")]
+        if pieces is not None:  # a parts shard whose results shard was never written: dropped
+            pieces = pieces.merge(results[["id", "shard"]].drop_duplicates(), on=["id", "shard"])
     if errors is not None:
         errors = errors.drop_duplicates("id")
         errors = errors[~errors["id"].isin(set(results["id"]) if results is not None else set())]
-    results, errors = _tables(results, errors)
+    results, errors, pieces = _tables(results, errors, pieces)
     _write_shard(results, out)
     _write_shard(errors, errors_path(out))
-    return results, errors
+    if split:
+        _write_shard(pieces, parts_path(out))
+    else:
+        parts_path(out).unlink(missing_ok=True)  # a stale table of an earlier run with resolution=
+    return results, errors, pieces
 
 
 _RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "layer", "label",
@@ -506,6 +525,111 @@ def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foi
     frame["quantity"] = attribution.quantity
     frame["foil"] = foil
     return frame
+
+
+DATASET_RESOLUTIONS = ("head", "neuron", "source")  # attribute_dataset(resolution=) and --resolution
+_PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank", "block", "head", "neuron",
+                 "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity", "foil", "shard"]
+
+
+def _not_zero(size: np.ndarray) -> np.ndarray:
+    """(m,) bool: which sizes ``|share|`` (m,) are not tied with 0 (above the row's
+    :func:`iglens_core.tie_tolerance`, as :func:`iglens_compare.top_positive` decides)."""
+    return size > tie_tolerance(size)[0]
+
+
+def top_parts(shares, k: int) -> np.ndarray:
+    """Flat indices of the ``k`` parts of largest ``|share|``, in order, never one tied with 0.
+
+    The project's tie rule, as :func:`iglens_compare.top_positive` of ``|shares|`` applies it (this
+    module may not import that one; ``tests/test_data_resolution.py`` checks that the two agree):
+    sorted values closer than :func:`iglens_core.tie_tolerance` join one group (single linkage), a
+    group's members go by the lower flat index, and a part whose ``|share|`` is within the tolerance
+    of 0 is never picked (so fewer than ``k`` come back when fewer stand out from 0).
+
+    Args:
+        shares: (...,) one token's parts, e.g. (n, H, S) sources; flattened in C order.
+        k: how many at most (>= 1).
+
+    Returns:
+        (<= k,) int64 flat indices into ``shares``.
+    """
+    size = np.abs(np.asarray(torch.as_tensor(shares, dtype=torch.float64)).reshape(-1))
+    tolerance = tie_tolerance(size)[0]
+    order = np.argsort(-size, kind="stable")  # largest first
+    group = np.concatenate([[0], np.cumsum(-np.diff(size[order]) > tolerance)])
+    top = order[np.lexsort((order, group))][:k]  # by group, then by index within a group
+    return top[size[top] > tolerance]
+
+
+def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resolution: str, top_k: int,
+                 row: int, item_id: str, foil: Optional[str]):
+    """One item's rows of the parts table (see :func:`attribute_dataset`) from its components."""
+    import pandas as pd
+    n = parts.attn.shape[1]
+    shares = (parts.neurons if resolution == "neuron" else parts.heads).double()  # (T, n, P + 1), bias last
+    split = parts.sources.double() if resolution == "source" else shares[..., :-1]
+    # the whole decomposition: the split parts, the biases, and the sublayer not split
+    whole = (split.flatten(1).sum(-1) + shares[..., -1].sum(-1)
+             + (parts.attn if resolution == "neuron" else parts.mlp).double().sum(-1))  # (T,)
+    delta_p = parts.delta_p.double()
+    ids = input_ids.reshape(-1).tolist()
+    source_tokens = [tokenizer.decode([i]) for i in ids]
+    tokens = [tokenizer.decode([i]) for i in parts.targets.tolist()]
+    moved = parts.by_source().double() if resolution == "source" else None  # (T, S + 1)
+    columns = {name: [] for name in _PART_COLUMNS if name not in ("row", "id", "quantity", "foil", "shard")}
+
+    def add(t, kind, share, rank=None, block=None, head=None, neuron=None, source=None):
+        for name, value in (("token_index", t), ("position", int(parts.positions[t])),
+                            ("token", tokens[t]), ("kind", kind),
+                            ("rank", rank), ("block", block), ("head", head), ("neuron", neuron),
+                            ("source_position", source),
+                            ("source_token", None if source is None else source_tokens[source]),
+                            ("share", float(share)), ("delta_p", float(delta_p[t])),
+                            ("parts_sum", float(whole[t]))):
+            columns[name].append(value)
+
+    for t in range(len(parts.targets)):
+        grid = split[t]  # (n, H, S), (n, H) or (n, d_ff)
+        picked = top_parts(grid, top_k)
+        for rank, flat in enumerate(picked.tolist(), 1):
+            at = np.unravel_index(flat, grid.shape)
+            where = dict(block=int(at[0]) + 1)
+            if resolution == "neuron":
+                where.update(neuron=int(at[1]))
+            else:
+                where.update(head=int(at[1]), source=int(at[2]) if resolution == "source" else None)
+            add(t, resolution, grid.reshape(-1)[flat], rank, **where)
+        add(t, "rest", delta_p[t] - grid.reshape(-1)[torch.from_numpy(picked)].sum())
+        if resolution == "source":
+            heads = parts.heads[t, :, :-1].double()  # (n, H): each head's sources added up
+            for flat in np.flatnonzero(_not_zero(heads.abs().reshape(-1).numpy())).tolist():
+                block, head = divmod(flat, heads.shape[1])
+                add(t, "head_total", heads[block, head], block=block + 1, head=head)
+            for source in range(int(parts.positions[t]) + 1):  # the pattern reads no later position
+                add(t, "source_total", moved[t, source], source=source)
+            add(t, "source_rest", moved[t, -1])
+    frame = pd.DataFrame(columns)
+    for name in ("rank", "block", "head", "neuron", "source_position"):
+        frame[name] = frame[name].astype("Int64")
+    frame.insert(0, "id", item_id)
+    frame.insert(0, "row", row)
+    frame["quantity"] = parts.quantity
+    frame["foil"] = foil
+    return frame
+
+
+@torch.no_grad()  # components() on a post-norm model (Gemma) would build a graph otherwise
+def _item_parts(model, tokenizer, sequence, row: int, item_id: str, foil: Optional[str],
+                foil_id: Optional[int], *, resolution: str, top_k: int, **settings):
+    """One item's parts table: :func:`collect_components` and :func:`components` of its
+    ``(prompt ids, answer ids)``, then :func:`_parts_frame`. ``settings``: steps, estimator,
+    readout, quantity, as :func:`components` takes them."""
+    prompt, answer = sequence
+    input_ids = torch.tensor([list(prompt) + list(answer)])
+    trace = collect_components(model, input_ids, len(prompt), sources=resolution == "source")
+    split = components(model, trace, resolution=resolution, foil=foil_id, **settings)
+    return _parts_frame(split, tokenizer, input_ids, resolution, top_k, row, item_id, foil)
 
 
 def _check_dataset_baseline(baseline, d: int) -> None:
@@ -573,7 +697,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                       resume: bool = False, max_new_tokens: int = 32, progress: bool = True,
                       readout: Optional[Readout] = None, prompt_column: str = "prompt",
                       answer_column: Optional[str] = None, id_column: Optional[str] = None,
-                      quantity: str = "prob", foil_column: Optional[str] = None):
+                      quantity: str = "prob", foil_column: Optional[str] = None,
+                      resolution: Optional[str] = None, top_k: int = 20):
     """IG-Lens over a whole dataset: batched, written as it goes, resumable, split over ranks.
 
     Items are tokenised (errors recorded per row), sorted by length and taken ``batch_size`` at
@@ -606,7 +731,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         out: the final results file (must end in ``.parquet``), or None to write nothing.
         resume: skip the ids already in ``OUT.parts/``. The settings that decide the numbers
             (:func:`run_settings`: model name and fingerprint, layers, estimator, baseline,
-            steps, chat, max_new_tokens) are kept in ``OUT.parts/settings.json``; resuming with
+            steps, chat, max_new_tokens, quantity, resolution, top_k) are kept in ``OUT.parts/settings.json``; resuming with
             other ones raises ValueError listing what differs, and so do shards without it.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
@@ -616,6 +741,14 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         quantity: ``"prob"`` or ``"logprob"``, as in :func:`ig_lens`. An item with a foil (one
             token's text) splits ``f(y) - f(foil)`` at each of its answer tokens; a foil that is
             not one token, or equals an answer token, makes that item an error row.
+        resolution: None (the block table only), or ``"head"``, ``"neuron"`` or ``"source"``:
+            also split each item with :func:`iglens_core.components` (its own forward pass,
+            :func:`iglens_core.collect_components`; the same ``steps``, ``estimator``,
+            ``quantity`` and foil; ``baseline="embedding"`` only, the path components split) and
+            write the parts table below, to :func:`parts_path` ``(out)``.
+        top_k: with ``resolution``, the parts written per answer token (an integer >= 1), picked
+            by :func:`top_parts` (largest ``|share|``, ties within rounding by the lower index,
+            never a part tied with 0).
 
     Returns:
         ``(results, errors)`` DataFrames. ``results``: one row per (item, answer token, segment)
@@ -629,6 +762,24 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         the merged tables, other ranks their own part. ``results.attrs`` holds ``items_run``
         (items attempted in this call, not skipped by ``resume``; on rank 0 with ``out``: by
         all ranks), ``seconds`` (wall time, shards merged) and ``items_per_s``.
+
+        With ``resolution``, a third DataFrame, ``parts``, long format, one row per part written,
+        per (item, answer token) in this order: ``kind`` = the resolution (``"source"``,
+        ``"head"`` or ``"neuron"``), the top-k parts, ``rank`` 1..k; ``"rest"``, one row: Δp
+        minus those k, so that they and it add up to ``delta_p`` exactly; and with ``"source"``
+        also ``"head_total"`` (each head of each block: its sources added up; only the heads
+        whose total is not tied with 0, as :func:`top_parts` decides, about 40% of them on the
+        packaged model) and
+        ``"source_total"`` (every source position up to the predicting one: what all heads of all
+        blocks moved from it) with ``"source_rest"`` (MLPs, attention biases, the estimator's
+        residual: :meth:`iglens_core.Components.by_source`), adding up to ``delta_p`` exactly.
+        Columns: ``row``, ``id``, ``token_index``, ``position``, ``token`` (as in ``results``),
+        ``kind``, ``rank``, ``block`` (1..n), ``head`` (0..H-1), ``neuron`` (0..d_ff-1),
+        ``source_position`` (index in the item's sequence), ``source_token`` (its text), ``share``
+        (f credited), ``delta_p``, ``parts_sum`` (the sum of the whole decomposition, written or
+        not: every split part, the biases and the sublayers not split; equals ``delta_p`` up to
+        the estimator's residual, float rounding with ``"prediction_aware"``), ``quantity``,
+        ``foil``; not-applicable entries are null.
     """
     import time
     import pandas as pd
@@ -650,12 +801,20 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     _check_steps(readout, steps, estimator, False)
     _check_dataset_baseline(baseline, readout.hidden_size)
+    if resolution is not None and resolution not in DATASET_RESOLUTIONS:
+        raise ValueError(f"resolution must be None or one of {DATASET_RESOLUTIONS}, got {resolution!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1 (parts written per answer token), got {top_k!r}")
+    if resolution is not None and not (isinstance(baseline, str) and baseline == "embedding"):
+        raise ValueError(f"resolution={resolution!r} splits the path from the embedding output h_0, "
+                         f"so it needs baseline='embedding', got {baseline if isinstance(baseline, str) else 'a tensor'!r}")
     rank, world = distributed_rank()
     parts = Path(str(out) + ".parts") if out is not None else None
     if parts is not None:
         settings = run_settings(model, layers=layers, estimator=estimator, steps=steps,
                                 baseline=baseline, chat=bool(chat), max_new_tokens=max_new_tokens,
-                                quantity=quantity)
+                                quantity=quantity, resolution=resolution,
+                                top_k=int(top_k) if resolution is not None else None)
         if resume and parts.is_dir():
             _check_settings(parts, settings)  # every rank: all of them stop alike
         if rank == 0:
@@ -675,13 +834,16 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     mine = table[(table["row"] % world == rank) & ~table["id"].isin(done)]
 
     started = time.perf_counter()
-    kept, failed = [], []  # this rank's frames when out is None
+    kept, failed, split = [], [], []  # this rank's frames when out is None
 
-    def record(results, errors):
+    def record(results, errors, pieces=None):
         if parts is None:
             kept.extend([results] if len(results) else []), failed.extend([errors] if len(errors) else [])
+            split.extend([pieces] if pieces is not None and len(pieces) else [])
             return
         stem = f"rank{rank:04d}-{time.time_ns()}"
+        if pieces is not None and len(pieces):  # before the results: those mark the items done
+            _write_shard(pieces.assign(shard=stem), parts / f"{stem}.components.parquet")
         if len(errors):
             _write_shard(errors.assign(shard=stem), parts / f"{stem}.errors.parquet")
         if len(results):
@@ -748,9 +910,22 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                 except ValueError as err:
                     batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
             runnable = [r for r in runnable if r not in {e["row"] for e in batch_errors}]
+        pieces = []
+        if resolution is not None:  # one item at a time: its own pass with patterns and values
+            for r in list(runnable):
+                try:
+                    pieces.append(_item_parts(model, tokenizer, full[r], r, ids_of[r], foils_of[r],
+                                              foil_ids.get(r), resolution=resolution, top_k=top_k,
+                                              steps=steps, estimator=estimator, readout=readout,
+                                              quantity=quantity))
+                except ValueError as err:
+                    batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
+                    attributions.pop(runnable.index(r))
+                    runnable.remove(r)
         frames = [_item_frame(a, tokenizer, r, ids_of[r], foils_of[r]) for r, a in zip(runnable, attributions)]
         record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_RESULT_COLUMNS[:-1]),
-               pd.DataFrame(batch_errors, columns=["row", "id", "error"]))
+               pd.DataFrame(batch_errors, columns=["row", "id", "error"]),
+               pd.concat(pieces, ignore_index=True) if pieces else None)
         n_failed += len(batch_errors)
         bar.update(len(rows))
     bar.close()
@@ -761,7 +936,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         if rank == 0:  # after the barrier: the whole run's items over the whole run's time
             items_run = int((~table["id"].isin(done)).sum())
         if rank == 0:
-            results, errors = _merge_shards(parts, Path(out))
+            results, errors, pieces = _merge_shards(parts, Path(out), resolution is not None)
             missing = set(table["id"]) - set(results["id"]) - set(errors["id"])
             if missing:  # e.g. another node's shards written to a folder rank 0 cannot see
                 raise FileNotFoundError(
@@ -769,12 +944,13 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                     f"(e.g. {sorted(missing)[:3]}): with several nodes, out= must lie on a file "
                     "system that every node shares")
         else:  # this rank's own shards
-            results, errors = _tables(*(_read_shards(parts, kind, f"rank{rank:04d}-")
-                                        for kind in ("results", "errors")))
+            results, errors, pieces = _tables(*(_read_shards(parts, kind, f"rank{rank:04d}-")
+                                                for kind in ("results", "errors", "components")))
     else:
-        results, errors = _tables(pd.concat(kept, ignore_index=True) if kept else None,
-                                  pd.concat(failed, ignore_index=True) if failed else None)
+        results, errors, pieces = _tables(pd.concat(kept, ignore_index=True) if kept else None,
+                                          pd.concat(failed, ignore_index=True) if failed else None,
+                                          pd.concat(split, ignore_index=True) if split else None)
     seconds = time.perf_counter() - started
     results.attrs.update(items_run=items_run, seconds=seconds,
                          items_per_s=items_run / seconds if seconds > 0 else float("nan"))
-    return results, errors
+    return (results, errors) if resolution is None else (results, errors, pieces)

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from iglens_core import Attribution
+from iglens_core import QUANTITIES, Attribution, Components
 
 ROOT = Path(__file__).resolve().parent
 # a checkout's figures/ folder; once installed as a package, figures/ under the working directory
@@ -50,14 +50,36 @@ def _tick_indices(count: int, max_ticks: int = 16) -> list[int]:
     return ticks
 
 
+def _units(attribution: Attribution, quantity: Optional[str] = None, foil: Optional[bool] = None):
+    """``(f, delta, bounded)``: what f is, as axis text (``"probability"``), the short name of its
+    change (``"Δp"``), and whether it lies in [0, 1].
+
+    Args:
+        quantity: ``"prob"`` or ``"logprob"``; None: ``attribution.quantity`` (an attribution
+            rebuilt by :meth:`Attribution.from_frame` says ``"prob"`` whatever the table held: pass
+            the table's ``quantity`` here).
+        foil: f is a difference with a foil; None: whether ``attribution.foils`` is set.
+    """
+    quantity = attribution.quantity if quantity is None else quantity
+    if quantity not in QUANTITIES:
+        raise ValueError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
+    foil = attribution.foils is not None if foil is None else bool(foil)
+    if foil:
+        return ({"prob": "p(y) − p(foil)", "logprob": "logit difference z_y − z_foil"}[quantity],
+                "Δf", False)
+    return {"prob": ("probability", "Δp", True), "logprob": ("log-probability (nats)", "Δ log p", False)}[quantity]
+
+
 def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str = "",
-                 figsize: tuple[float, float] = (13, 4.5)):
+                 figsize: tuple[float, float] = (13, 4.5), quantity: Optional[str] = None,
+                 foil: Optional[bool] = None):
     """Token x layer heatmap of the attributions beside the logit-lens probability per layer.
 
     Left: signed attributions (probability), diverging colours centred at zero, each row's sum
     and Δp on the right of its row, the colour bar beside the panel. Right: the logit lens
     ``f(h_L)`` per token, so the reader sees the mass sit where the lens jumps. The last segment
-    (layer n) is always labelled.
+    (layer n) is always labelled. Labels name f (probability, log-probability, a difference with
+    a foil): ``quantity`` and ``foil`` as in :func:`to_html`.
 
     Returns:
         The matplotlib figure.
@@ -69,6 +91,7 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
     T, K = values.shape
     if len(tokens) != T:
         raise ValueError(f"tokens must hold one label per target token ({T}), got {len(tokens)}")
+    f, delta, bounded = _units(attribution, quantity, foil)
     bound = max(float(np.abs(values).max()), 1e-9)
     fig, (ax, ax_lens) = plt.subplots(1, 2, figsize=figsize, width_ratios=[3, 2],
                                       constrained_layout=True)
@@ -83,23 +106,23 @@ def plot_heatmap(attribution: Attribution, tokens: Sequence[str], *, title: str 
     # row sums as right-hand tick labels: part of the axes' decorations, so the colour bar that
     # constrained_layout places on the right sits beside them, not on top of them
     sums = ax.secondary_yaxis("right")
-    sums.set_yticks(range(T), [f"Σ={values[t].sum():+.3f}  Δp={attribution.delta_p[t]:+.3f}"
+    sums.set_yticks(range(T), [f"Σ={values[t].sum():+.3f}  {delta}={attribution.delta_p[t]:+.3f}"
                                for t in range(T)], fontsize=8)
     sums.tick_params(length=0)
     # a colour bar's length is ``aspect`` times its width: scale it with the height so that it
     # spans the panel however many tokens there are
     aspect = 20 * max(1.0, figsize[1] / 4.5)
-    unit = {"prob": "probability", "logprob": "log-probability"}.get(attribution.quantity, attribution.quantity)
-    fig.colorbar(image, ax=ax, label=f"attribution (Δ {unit})", pad=0.01, aspect=aspect)
+    fig.colorbar(image, ax=ax, label=f"attribution (Δ {f})", pad=0.01, aspect=aspect)
     ax.set_title(f"IG-Lens ({attribution.estimator}, m={attribution.steps})")
     if title:  # above both panels, wrapped: a long answer must not run into the lens panel
         fig.suptitle(textwrap.fill(title, width=int(figsize[0] * 11)), fontsize=10)
-    lens_image = ax_lens.imshow(lens, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    lens_image = ax_lens.imshow(lens, aspect="auto", cmap="viridis",
+                                **(dict(vmin=0, vmax=1) if bounded else {}))
     ax_lens.set_yticks([])
     ax_lens.set_xticks(_tick_indices(K + 1, 10))
     ax_lens.set_xlabel("path node (0 = baseline)")
     ax_lens.set_title("logit lens f(h_L)")
-    fig.colorbar(lens_image, ax=ax_lens, label=f"target {unit}", pad=0.01, aspect=aspect)
+    fig.colorbar(lens_image, ax=ax_lens, label=f"target {f}", pad=0.01, aspect=aspect)
     return fig
 
 
@@ -175,14 +198,24 @@ def _html_views(attribution: Attribution, sublayer: Optional[Attribution],
 
 def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
             sublayer: Optional[Attribution] = None, views: Optional[Mapping[str, object]] = None,
-            title: str = "", plotlyjs: Union[bool, str] = True) -> Path:
+            title: str = "", plotlyjs: Union[bool, str] = True, quantity: Optional[str] = None,
+            foil: Optional[bool] = None, sources=None, source_tokens: Optional[Sequence[str]] = None) -> Path:
     """Write one self-contained interactive HTML view of an attribution (opens offline).
 
     Plotly, with its JavaScript embedded in the file (about 5 MB): nothing loads from a network.
     Left: token x segment heatmap, diverging colours centred at zero, the last segment always
     labelled. Right: the logit lens ``f`` at every path node. Hovering a cell gives the token,
     the segment, its value, the lens at both ends of the segment, the row sum and Δp (all in
-    probability). Buttons switch between the views: the attribution, ``sublayer`` and ``views``.
+    the unit of f: probability by default). Buttons switch between the views: the attribution,
+    ``sublayer`` and ``views``.
+
+    With ``sources``, a second panel below: for the answer token picked in its menu, the source
+    token x block map of what attention moved into the predicting position (f credited to all
+    heads of block L for what they read at position s), the per-source-token totals above it as
+    bars, and in the title the rest (MLPs, biases) and Δ; hovering gives block, source token and
+    value. Its numbers are also embedded as JSON in ``<script type="application/json"
+    id="iglens-sources-data">``: ``tokens``, ``source_tokens``, ``blocks``, ``maps`` (T, B, S)
+    and ``by_source`` (T, S + 1), the rest last.
 
     Args:
         attribution: the first view (layer resolution, usually), T target tokens.
@@ -196,13 +229,23 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
         plotlyjs: ``True`` embeds plotly.js (one self-contained file); ``"directory"`` writes it
             once as ``plotly.min.js`` beside the file and loads it from there (many views in one
             folder, still offline).
+        quantity, foil: what f is, for titles and colour ranges (see :func:`_units`); default:
+            the attribution's own. Pass the table's ``quantity`` (and whether it has a ``foil``)
+            for an attribution rebuilt by :meth:`Attribution.from_frame`.
+        sources: a :class:`Components` with ``sources`` (the same targets; blocks 1..n), or one
+            item's rows of the dataset parts table (:func:`iglens_data.attribute_dataset` with
+            ``resolution="source"``: its ``source_total`` and ``source_rest`` rows, a single
+            "all blocks" row since the table keeps no per-block split).
+        source_tokens: (S,) the text of every position of the sequence, with a
+            :class:`Components` (e.g. ``[tokenizer.decode([i]) for i in input_ids[0]]``).
 
     Returns:
         The path written.
 
     Raises:
         ValueError: a path that is not ``.html`` or whose folder is missing, ``tokens`` of the
-            wrong length, a view of other targets or shape.
+            wrong length, a view of other targets or shape, sources without sources, of other
+            targets, or ``source_tokens`` of the wrong length.
     """
     import html
     import plotly.graph_objects as go
@@ -215,11 +258,13 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
     if len(tokens) != T:
         raise ValueError(f"tokens has {len(tokens)} entries, the attribution T = {T} target tokens")
     panels = _html_views(attribution, sublayer, views)
+    f, delta, bounded = _units(attribution, quantity, foil)
+    panel = _source_panel(attribution, sources, source_tokens) if sources is not None else None
     delta_p = attribution.delta_p.tolist()
     shown = [html.escape(repr(token)) for token in tokens]
     fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], shared_yaxes=True,
                         horizontal_spacing=0.11,
-                        subplot_titles=("attribution (Δ probability)", "logit lens f (probability)"))
+                        subplot_titles=(f"attribution (Δ {f})", f"logit lens f ({f})"))
     heat_end, lens_end = fig.layout.xaxis.domain[1], fig.layout.xaxis2.domain[1]
     traces, buttons = [], []
     for name, values, labels, lens in panels:
@@ -230,24 +275,25 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
                    delta_p[t]] for j in range(K)] for t in range(T)]
         hover = ("token %{customdata[0]}<br>segment %{customdata[1]}<br>value %{z:+.4f}<br>"
                  + ("lens %{customdata[2]:.4f} → %{customdata[3]:.4f}<br>" if lens is not None else "")
-                 + "row sum %{customdata[4]:+.4f}<br>Δp %{customdata[5]:+.4f}<extra>" + name + "</extra>")
+                 + "row sum %{customdata[4]:+.4f}<br>" + delta + " %{customdata[5]:+.4f}<extra>" + name
+                 + "</extra>")
         bound = max(float(np.abs(values).max()), 1e-9)
         traces.append((name, "heat", go.Heatmap(
             z=values.tolist(), x=list(range(K)), y=list(range(T)), customdata=cells,
             hovertemplate=hover, colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound,
             zmax=bound, name=name,
             colorbar=dict(x=heat_end + 0.005, xanchor="left", thickness=14, tickformat=".2~g",
-                          title=dict(text="Δ probability", side="right")))))
+                          title=dict(text=f"Δ {f}", side="right")))))
         if lens is not None:
             nodes = ["baseline"] + labels
             traces.append((name, "lens", go.Heatmap(
-                z=lens.tolist(), x=list(range(K + 1)), y=list(range(T)), zmin=0.0, zmax=1.0,
-                colorscale="Viridis", name=name,
+                z=lens.tolist(), x=list(range(K + 1)), y=list(range(T)), colorscale="Viridis", name=name,
+                **(dict(zmin=0.0, zmax=1.0) if bounded else {}),
                 customdata=[[[shown[t], nodes[j]] for j in range(K + 1)] for t in range(T)],
                 hovertemplate="token %{customdata[0]}<br>node %{customdata[1]}<br>"
                               "f %{z:.4f}<extra>" + name + "</extra>",
                 colorbar=dict(x=lens_end + 0.005, xanchor="left", thickness=14,
-                              title=dict(text="target probability", side="right")))))
+                              title=dict(text=f"target {f}", side="right")))))
     for index, (name, values, labels, lens) in enumerate(panels):
         lens_of = name if lens is not None else panels[0][0]
         visible = [(view == name and kind == "heat") or (view == lens_of and kind == "lens")
@@ -265,7 +311,7 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
         fig.add_trace(trace, row=1, col=1 if kind == "heat" else 2)
     fig.update_layout(
         title=dict(text=title or (f"IG-Lens ({attribution.estimator}, m={attribution.steps}, "
-                                  f"baseline {attribution.baseline}): max |row sum - Δp| = "
+                                  f"baseline {attribution.baseline}, f = {f}): max |row sum - {delta}| = "
                                   f"{attribution.residual:.1e}"), y=0.99, yanchor="top"),
         width=1300, height=240 + 28 * T, margin=dict(t=130),
         updatemenus=[dict(type="buttons", direction="right", buttons=buttons, showactive=True,
@@ -278,7 +324,104 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
                      autorange="reversed", row=1, col=1)
     fig.write_html(out, include_plotlyjs=plotlyjs, full_html=True, div_id="iglens",
                    config={"displaylogo": False})
+    if panel is not None:  # the second figure and its numbers, after the first (plotly.js is loaded)
+        page = out.read_text(encoding="utf-8")
+        at = page.rindex("</body>")
+        out.write_text(page[:at] + _source_figure(panel, tokens, f, delta) + page[at:], encoding="utf-8")
     return out
+
+
+def _source_panel(attribution: Attribution, sources, source_tokens) -> dict:
+    """The numbers of :func:`to_html`'s source panel: ``source_tokens`` (S,), ``blocks`` (B,) labels,
+    ``maps`` (T, B, S) f moved by all heads of each block from each position, ``by_source`` (T, S + 1)
+    (the rest last), each row adding up to Δ."""
+    T = attribution.values.shape[0]
+    if isinstance(sources, Components):
+        if sources.sources is None:
+            raise ValueError("sources must hold sources: components(..., resolution='source' or 'all') "
+                             "of a trace from collect_components(..., sources=True)")
+        if not torch.equal(sources.targets, attribution.targets):
+            raise ValueError(f"sources attribute targets {sources.targets.tolist()}, not those of the "
+                             f"attribution {attribution.targets.tolist()}")
+        maps = sources.sources.double().sum(2).numpy()  # (T, n, S)
+        by_source = sources.by_source().double().numpy()
+        blocks = [f"L{layer}" for layer in range(1, maps.shape[1] + 1)]
+    else:  # one item's rows of the dataset parts table
+        rows = sources[sources["kind"].isin(["source_total", "source_rest"])]
+        if rows.empty or ("id" in rows.columns and rows["id"].nunique() > 1):
+            raise ValueError("sources must be a Components or one item's rows of the parts table with "
+                             "source_total and source_rest rows (attribute_dataset(resolution='source'))")
+        totals = rows[rows["kind"] == "source_total"]
+        S = int(totals["source_position"].max()) + 1
+        by_source = np.zeros((T, S + 1))
+        for t, s, share in zip(totals["token_index"], totals["source_position"], totals["share"]):
+            by_source[int(t), int(s)] = share
+        rest = rows[rows["kind"] == "source_rest"]
+        by_source[rest["token_index"].to_numpy(int), -1] = rest["share"].to_numpy()
+        maps, blocks = by_source[:, None, :-1], ["all blocks"]
+        if source_tokens is None:
+            source_tokens = totals.drop_duplicates("source_position").sort_values("source_position")["source_token"]
+    if maps.shape[0] != T:
+        raise ValueError(f"sources have {maps.shape[0]} answer tokens, the attribution T = {T}")
+    if source_tokens is None or len(source_tokens) != maps.shape[-1]:
+        raise ValueError(f"source_tokens must give the text of each of the S = {maps.shape[-1]} positions, "
+                         f"got {None if source_tokens is None else len(source_tokens)}")
+    return dict(source_tokens=[str(token) for token in source_tokens], blocks=blocks, maps=maps,
+                by_source=by_source)
+
+
+def _source_figure(panel: dict, tokens: Sequence[str], f: str, delta: str) -> str:
+    """The source panel of :func:`to_html` as an HTML fragment: its JSON numbers and a plotly figure
+    (div ``iglens-sources``): per answer token, bars of the per-source totals over a block x source
+    heatmap, a menu to pick the token."""
+    import html
+    import json
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    maps, by_source, blocks = panel["maps"], panel["by_source"], panel["blocks"]
+    T, B, S = maps.shape
+    shown = [html.escape(repr(token)[1:-1]) for token in panel["source_tokens"]]
+    fig = make_subplots(rows=2, cols=1, row_heights=[0.25, 0.75], shared_xaxes=True, vertical_spacing=0.03)
+    buttons = []
+    for t in range(T):
+        bound = max(float(np.abs(maps[t]).max()), 1e-9)
+        cells = [[[blocks[b], shown[s], float(by_source[t, s])] for s in range(S)] for b in range(B)]
+        fig.add_trace(go.Bar(x=list(range(S)), y=by_source[t, :S].tolist(), visible=t == 0,
+                             marker_color="grey", name=f"token {t}", customdata=shown,
+                             hovertemplate="source %{x} '%{customdata}'<br>all blocks %{y:+.4f}<extra></extra>"),
+                      row=1, col=1)
+        fig.add_trace(go.Heatmap(z=maps[t].tolist(), x=list(range(S)), y=list(range(B)), customdata=cells,
+                                 visible=t == 0, colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound,
+                                 zmax=bound, name=f"token {t}",
+                                 hovertemplate="block %{customdata[0]}<br>source %{x} '%{customdata[1]}'<br>"
+                                               "value %{z:+.4f}<br>all blocks %{customdata[2]:+.4f}<extra></extra>",
+                                 colorbar=dict(thickness=14, tickformat=".2~g", len=0.75, y=0.0, yanchor="bottom",
+                                               title=dict(text=f"Δ {f}", side="right"))),
+                      row=2, col=1)
+        moved = float(by_source[t, :S].sum())
+        heading = (f"where answer token {html.escape(repr(tokens[t]))} comes from: moved by attention "
+                   f"{moved:+.4f}, rest (MLPs, biases) {by_source[t, -1]:+.4f}, {delta} {moved + by_source[t, -1]:+.4f}")
+        buttons.append(dict(label=html.escape(f"{t}: {tokens[t]!r}"), method="update",
+                            args=[{"visible": [u == t for u in range(T) for _ in range(2)]},
+                                  {"title.text": heading}]))
+        if t == 0:
+            first = heading
+    fig.update_layout(title=dict(text=first, y=0.99, yanchor="top"), width=1300, height=320 + 22 * B,
+                      margin=dict(t=110), showlegend=False,
+                      updatemenus=[dict(type="dropdown", buttons=buttons, x=0.0, xanchor="left", y=1.0,
+                                        yanchor="bottom", pad=dict(b=30))])
+    ticks = list(range(S)) if S <= 80 else _tick_indices(S, 80)
+    fig.update_xaxes(tickmode="array", tickvals=ticks, ticktext=[shown[s] for s in ticks], tickangle=-60,
+                     title_text="source token (position in the sequence)", row=2, col=1)
+    fig.update_yaxes(title_text=delta, row=1, col=1)
+    fig.update_yaxes(tickmode="array", tickvals=list(range(B)), ticktext=blocks, title_text="block",
+                     autorange="reversed", row=2, col=1)
+    data = dict(tokens=[str(token) for token in tokens], source_tokens=panel["source_tokens"], blocks=blocks,
+                maps=maps.tolist(), by_source=by_source.tolist())
+    embedded = json.dumps(data).replace("</", "<\\/")  # no "</script>" inside the script
+    return (f'<script type="application/json" id="iglens-sources-data">{embedded}</script>\n'
+            + fig.to_html(full_html=False, include_plotlyjs=False, div_id="iglens-sources",
+                          config={"displaylogo": False}))
 
 
 def format_table(attribution: Attribution, tokens: Sequence[str], max_columns: int = 30) -> str:

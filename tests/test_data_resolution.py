@@ -1,0 +1,241 @@
+"""attribute_dataset(resolution=, top_k=) and --resolution / --top-k: the parts table equals
+components() of each item alone, adds up to Δp, resumes only with the same settings."""
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import iglens_cli as igcli
+import iglens_core as ig
+import iglens_data as igd
+from conftest import tiny_model
+from test_dataset import VOCAB, model_dir, tokenizer  # noqa: F401 (fixtures: the packaged tokenizer, a tiny Llama dir)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _facts(n=3):
+    facts = pd.read_csv(ROOT / "data" / "facts.csv").sample(n, random_state=2)[["id", "prompt", "object"]]
+    return facts.rename(columns={"object": "answer"}).reset_index(drop=True)
+
+
+def _check_item(model, tokenizer, item, got, block_rows, resolution, top_k, foil=None, **settings):
+    """One item's parts rows against components() of the item alone, computed here."""
+    ids, prompt_len = igd.encode(tokenizer, item.prompt, item.answer)
+    trace = ig.collect_components(model, ids, prompt_len, sources=resolution == "source")
+    with torch.no_grad():  # components() does not switch gradients off itself (Gemma's post-norms)
+        want = ig.components(model, trace, resolution=resolution, foil=foil, **settings)
+    shares = (want.neurons if resolution == "neuron" else want.heads).double()  # (T, n, P + 1)
+    split = want.sources.double() if resolution == "source" else shares[..., :-1]
+    T = len(want.targets)
+    assert sorted(got["token_index"].unique()) == list(range(T))
+    for t in range(T):
+        rows = got[got["token_index"] == t]
+        delta_p = float(want.delta_p[t])
+        assert rows["delta_p"].to_numpy() == pytest.approx(delta_p, abs=1e-12)
+        # the block table's Δp is the same change of f
+        assert block_rows[block_rows["token_index"] == t]["delta_p"].iloc[0] == pytest.approx(delta_p, abs=1e-5)
+        whole = split[t].sum() + shares[t, :, -1].sum() + (want.attn if resolution == "neuron" else want.mlp)[t].double().sum()
+        assert rows["parts_sum"].iloc[0] == pytest.approx(float(whole), abs=1e-9)
+        # complete at float32, up to the estimator's float rounding that components() reports itself
+        # (up to 1.5e-5 for the packaged model's 30 blocks at float32)
+        own = want.residual_neurons if resolution == "neuron" else want.residual_heads
+        assert abs(rows["parts_sum"].iloc[0] - delta_p) < 1e-5 + own
+        top = rows[rows["kind"] == resolution]
+        assert top["rank"].tolist() == list(range(1, len(top) + 1))
+        at = [top["block"].to_numpy(int) - 1]
+        at += ([top["neuron"].to_numpy(int)] if resolution == "neuron" else [top["head"].to_numpy(int)])
+        at += [top["source_position"].to_numpy(int)] if resolution == "source" else []
+        np.testing.assert_array_equal(top["share"].to_numpy(), split[t][tuple(at)].numpy())
+        # the top k by |share| with the tie rule: none tied with 0, none left out that is larger
+        size = split[t].abs().reshape(-1).numpy()
+        tol = float(ig.tie_tolerance(size)[0])
+        assert len(top) == min(top_k, int((size > tol).sum()))
+        picked = np.ravel_multi_index(tuple(at), split[t].shape)
+        left = np.delete(size, picked)
+        assert (size[picked] > tol).all()
+        assert len(top) < top_k or size[picked].min() >= left.max() - tol
+        assert (np.diff(size[picked]) <= tol).all()  # in order, up to ties
+        rest = rows[rows["kind"] == "rest"]["share"]
+        assert len(rest) == 1 and rest.iloc[0] + top["share"].sum() == pytest.approx(delta_p, abs=1e-12)
+        if resolution == "source":
+            heads = rows[rows["kind"] == "head_total"]  # every head not tied with 0, in (block, head) order
+            every = shares[t, :, :-1].reshape(-1).numpy()
+            kept = np.abs(every) > ig.tie_tolerance(np.abs(every))[0]
+            np.testing.assert_array_equal(heads["share"].to_numpy(), every[kept])
+            H = shares.shape[-1] - 1
+            np.testing.assert_array_equal((heads["block"].to_numpy(int) - 1) * H + heads["head"].to_numpy(int),
+                                          np.flatnonzero(kept))
+            totals = rows[rows["kind"] == "source_total"]
+            moved = want.by_source()[t].double()
+            position = int(want.positions[t])
+            assert totals["source_position"].tolist() == list(range(position + 1))
+            assert totals["source_token"].tolist() == [tokenizer.decode([i]) for i in ids[0, :position + 1].tolist()]
+            np.testing.assert_array_equal(totals["share"].to_numpy(), moved[:position + 1].numpy())
+            assert (moved[position + 1:-1] == 0).all()  # nothing moved from a later position
+            source_rest = rows[rows["kind"] == "source_rest"]["share"].iloc[0]
+            assert source_rest + totals["share"].sum() == pytest.approx(delta_p, abs=1e-7)
+
+
+# probabilities of a random model over 49152 tokens are ~2e-5: their shares are all tied with 0, so
+# the tiny models split log-probabilities (nats) where parts must be picked; the packaged one, below, p
+@pytest.mark.parametrize("arch,resolution,quantity", [("llama", "source", "logprob"), ("gemma3", "source", "logprob"),
+                                                      ("gpt2", "head", "prob"), ("llama", "neuron", "logprob")])
+def test_parts_equal_components_of_each_item(tokenizer, arch, resolution, quantity):
+    model = tiny_model(arch, seed=7, vocab_size=VOCAB)
+    facts = _facts()
+    facts["foil"] = [None, " Lyon", None]
+    top_k = 4
+    results, errors, parts = igd.attribute_dataset(
+        model, tokenizer, facts, steps=3, batch_size=2, progress=False, quantity=quantity,
+        resolution=resolution, top_k=top_k)
+    assert errors.empty and list(parts["id"].unique()) == list(facts["id"])
+    kinds = {resolution, "rest"} | ({"head_total", "source_total", "source_rest"} if resolution == "source" else set())
+    assert set(parts["kind"]) == (kinds if quantity == "logprob" else kinds - {resolution})
+    assert (parts["quantity"] == quantity).all()
+    for item in facts.itertuples():
+        foil = tokenizer(item.foil, add_special_tokens=False)["input_ids"][0] if item.foil else None
+        _check_item(model, tokenizer, item, parts[parts["id"] == item.id], results[results["id"] == item.id],
+                    resolution, top_k, foil=foil, steps=3, estimator="prediction_aware", quantity=quantity)
+
+
+def test_top_parts_tie_rule():
+    """Zero-tied parts are never picked; ties within rounding go to the lower index; the same picks
+    as cmp.top_positive of |share| (the project's rule, which iglens_data may not import)."""
+    import iglens_compare as cmp
+    shares = torch.tensor([0.0, 3e-6, -0.2, 0.2 + 1e-7, 0.1, -4e-6, 0.05], dtype=torch.float64)
+    assert igd.top_parts(shares, 3).tolist() == [2, 3, 4]
+    assert igd.top_parts(shares, 10).tolist() == [2, 3, 4, 6]  # 0, 3e-6 and -4e-6 are tied with 0
+    assert igd.top_parts(torch.zeros(2, 3), 2).tolist() == []
+    assert igd.top_parts(-shares.flip(0), 2).tolist() == [3, 4]
+    gen = np.random.default_rng(0)
+    for trial in range(200):  # chains of near ties, exact ties, values near 0, grids
+        size = int(gen.integers(1, 40))
+        values = gen.choice([0.0, 1e-6, 0.01, 0.02, 0.5], size) * gen.choice([-1, 1], size)
+        values = values + gen.normal(0, [1e-6, 1e-3, 0.1][trial % 3], size) * (gen.random(size) < 0.5)
+        k = int(gen.integers(1, size + 3))
+        want = cmp.top_positive(np.abs(values), min(k, size))
+        assert igd.top_parts(values.reshape(1, -1), k).tolist() == want.tolist(), (values, k)
+
+
+def test_resume_refuses_other_resolution(tmp_path, tokenizer):
+    model = tiny_model("llama", seed=8, vocab_size=VOCAB)
+    facts, out = _facts(2), tmp_path / "r.parquet"
+    run = lambda **more: igd.attribute_dataset(model, tokenizer, facts, out=out, resume=True, steps=2,
+                                               progress=False, **{"resolution": "head", "top_k": 3, **more})
+    results, _, parts = run()
+    assert igd.parts_path(out) == tmp_path / "r.components.parquet"
+    pd.testing.assert_frame_equal(pd.read_parquet(igd.parts_path(out)), parts)
+    # a parts shard whose results shard was never written (killed between them) is dropped
+    shard = next((tmp_path / "r.parquet.parts").glob("*.components.parquet"))
+    pd.read_parquet(shard).assign(shard="rank0000-0").to_parquet(shard.with_name("rank0000-0.components.parquet"))
+    again_results, _, again = run()  # the same settings: a no-op
+    pd.testing.assert_frame_equal(again, parts)
+    pd.testing.assert_frame_equal(again_results, results)
+    for more, match in [(dict(resolution="source"), r"resolution: 'head' in the shards, 'source' now"),
+                        (dict(top_k=4), r"top_k: 3 in the shards, 4 now"),
+                        (dict(resolution=None), r"resolution: 'head' in the shards, None now")]:
+        with pytest.raises(ValueError, match=r"resume: the shards in .* were made with other settings .*" + match):
+            run(**more)
+    igd.attribute_dataset(model, tokenizer, facts, out=out, steps=2, progress=False)  # a fresh plain run
+    assert not igd.parts_path(out).exists()  # no stale parts table beside it
+
+
+def test_bad_resolution_and_top_k(tokenizer, tmp_path, capsys):
+    model = tiny_model("llama", vocab_size=VOCAB)
+    facts = _facts(1)
+    for top_k in (0, -2, 2.5, True, "3"):
+        with pytest.raises(ValueError, match=rf"top_k must be an integer >= 1 \(parts written per answer token\), "
+                                             rf"got {top_k!r}"):
+            igd.attribute_dataset(model, tokenizer, facts, resolution="head", top_k=top_k)
+    with pytest.raises(ValueError, match=r"resolution must be None or one of \('head', 'neuron', 'source'\), "
+                                         r"got 'block'"):
+        igd.attribute_dataset(model, tokenizer, facts, resolution="block")
+    with pytest.raises(ValueError, match=r"needs baseline='embedding', got 'zero'"):
+        igd.attribute_dataset(model, tokenizer, facts, resolution="source", baseline="zero")
+    csv = tmp_path / "items.csv"
+    facts.to_csv(csv, index=False)
+    base = ["--dataset", str(csv), "--out", str(tmp_path / "o.parquet")]
+    for value, match in [("0", "argument --top-k: must be an integer >= 1, got 0"),
+                         ("-3", "argument --top-k: must be an integer >= 1, got -3"),
+                         ("2.5", "argument --top-k: expected an integer >= 1, got '2.5'")]:
+        with pytest.raises(SystemExit):
+            igcli.main([*base, "--resolution", "source", "--top-k", value])
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        igcli.main([*base, "--top-k", "3"])
+    assert "--top-k needs --resolution" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        igcli.main([*base, "--resolution", "sources"])
+    assert "argument --resolution: invalid choice: 'sources'" in capsys.readouterr().err
+
+
+def test_cli_on_the_packaged_model(tmp_path, tokenizer, packaged, capsys):
+    """``iglens --dataset F --resolution source --top-k 3`` on the packaged model, 2 items."""
+    facts = _facts(2)
+    csv = tmp_path / "two.csv"
+    facts.to_csv(csv, index=False)
+    out = tmp_path / "two.parquet"
+    assert igcli.main(["--dataset", str(csv), "--out", str(out), "--steps", "4", "--resolution", "source",
+                       "--top-k", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "2 items done, 0 failed" in printed and f"in {tmp_path / 'two.components.parquet'}" in printed
+    results, parts = pd.read_parquet(out), pd.read_parquet(igd.parts_path(out))
+    assert (parts["kind"] == "source").sum() >= 3  # probabilities of a trained model: parts stand out
+    model, _ = packaged
+    for item in facts.itertuples():
+        _check_item(model, tokenizer, item, parts[parts["id"] == item.id], results[results["id"] == item.id],
+                    "source", 3, steps=4, estimator="prediction_aware")
+
+
+def test_cli_views_name_the_quantity_and_show_the_sources(tmp_path, model_dir, capsys):
+    """``--dataset --quantity logprob --resolution source --html DIR``: each item's view is titled in
+    log-probability (not "probability", which Attribution.from_frame alone would say) and its
+    source panel holds the parts table's per-source totals and rest."""
+    from test_html import _embedded, _figure
+    facts = _facts(2)
+    csv, views, out = tmp_path / "items.csv", tmp_path / "views", tmp_path / "r.parquet"
+    facts.to_csv(csv, index=False)
+    views.mkdir()
+    assert igcli.main(["--dataset", str(csv), "--out", str(out), "--model", str(model_dir), "--steps", "2",
+                       "--quantity", "logprob", "--resolution", "source", "--top-k", "2", "--html", str(views)]) == 0
+    assert "interactive views: 2 files" in capsys.readouterr().out
+    parts = pd.read_parquet(igd.parts_path(out))
+    for item in facts["id"]:
+        text = (views / f"{item}.html").read_text(encoding="utf-8")
+        _, layout = _figure(text)
+        assert [a["text"] for a in layout["annotations"]][:1] == ["attribution (Δ log-probability (nats))"]
+        data = _embedded(text, "iglens-sources-data")
+        rows = parts[parts["id"] == item]
+        assert data["blocks"] == ["all blocks"]
+        for t, token_rows in rows.groupby("token_index"):
+            totals = token_rows[token_rows["kind"] == "source_total"]
+            got = np.array(data["by_source"][t])
+            np.testing.assert_array_equal(got[:len(totals)], totals["share"].to_numpy())
+            assert (got[len(totals):-1] == 0).all()
+            assert got[-1] == token_rows[token_rows["kind"] == "source_rest"]["share"].iloc[0]
+            np.testing.assert_array_equal(np.array(data["maps"][t][0]), got[:-1])
+        assert data["source_tokens"][:3] == rows[rows["kind"] == "source_total"].drop_duplicates(
+            "source_position")["source_token"].tolist()[:3]
+
+
+def test_an_item_failing_in_components_is_an_error_row(tokenizer, monkeypatch):
+    """components() refusing one item (e.g. an attention it cannot split) makes it an error row, with
+    neither block rows nor parts left behind; the other items are written."""
+    model = tiny_model("llama", seed=9, vocab_size=VOCAB)
+    facts = _facts(3)
+    bad = igd.encode(tokenizer, facts["prompt"][1], facts["answer"][1])[0]
+    real = igd.collect_components
+
+    def refuses_one(model, input_ids, prompt_len, **kwargs):
+        if torch.equal(input_ids, bad):
+            raise ValueError("this attention does not read its values as sources=True assumes")
+        return real(model, input_ids, prompt_len, **kwargs)
+    monkeypatch.setattr(igd, "collect_components", refuses_one)
+    results, errors, parts = igd.attribute_dataset(model, tokenizer, facts, steps=2, batch_size=3,
+                                                   progress=False, resolution="source", top_k=2)
+    assert errors["id"].tolist() == [facts["id"][1]] and "sources=True assumes" in errors["error"][0]
+    kept = [facts["id"][0], facts["id"][2]]
+    assert sorted(results["id"].unique()) == sorted(kept) and sorted(parts["id"].unique()) == sorted(kept)
