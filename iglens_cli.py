@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, Attribution, collect, collect_components,
+from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, collect, collect_components,
                          components, ig_lens, load_model)
-from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, encode, parts_path
+from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, attribution_from_frame, encode, parts_path
 from iglens_plot import _html_path, format_table, to_html
 
 
@@ -182,8 +182,8 @@ def _dataset_views(results, args, parts=None) -> list[Path]:
     import re
     written = []
     for item, rows in results.groupby("id", sort=False):
-        attribution = Attribution.from_frame(rows, estimator=args.estimator, steps=args.steps,
-                                             baseline=args.baseline)
+        attribution = attribution_from_frame(rows, estimator=args.estimator, steps=args.steps,
+                                          baseline=args.baseline)
         tokens = rows.sort_values(["token_index", "segment"]).drop_duplicates("token_index")["token"]
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(item))
         if Path(args.html) / f"{name}.html" in written:  # two ids that differ only in odd characters

@@ -34,6 +34,7 @@ from torch import nn
 from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr, _first_output,
                          _hidden_arg, _projection, _projection_weight, _quiet_transformers, check_layers, collect,
                          check_same_model, component_terms, get_adapter, precision, tie_tolerance)
+import iglens_data as igd
 
 # ---------------------------------------------------------------------------
 # 1. Comparisons: direct logit attribution, tuned lens, layer IG and conductance
@@ -1337,8 +1338,9 @@ def top_positive(values, k: int) -> np.ndarray:
     x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
     if x.ndim != 1:
         raise ValueError(f"values must be 1-D (flatten a grid first), got shape {x.shape}")
-    top = top_indices(x, k)
-    return top[x[top] > tie_tolerance(x)[0]]
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= len(x):
+        raise ValueError(f"k must be an integer in 1..{len(x)}, got {k!r}")
+    return igd.top_parts(np.maximum(x, 0.0), k)  # negatives join the parts tied with 0
 
 
 def spearman_rows(scores, effects) -> np.ndarray:

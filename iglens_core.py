@@ -1380,38 +1380,6 @@ class Attribution:
                                  onset=onset[t]))
         return pd.DataFrame(rows)
 
-    @classmethod
-    def from_frame(cls, frame, *, estimator: str = "prediction_aware", steps: int = 16,
-                   baseline: str = "embedding") -> "Attribution":
-        """One item's attribution rebuilt from its rows of a tidy table (:meth:`to_frame`, or
-        :func:`attribute_dataset` results filtered to one ``id``), e.g. to draw it again.
-
-        The table holds the target tokens as text only, so ``targets`` is all -1.
-
-        Raises:
-            ValueError: rows that do not form a full (token, segment) grid of one item.
-        """
-        if "id" in frame.columns and frame["id"].nunique() > 1:
-            raise ValueError(f"frame holds {frame['id'].nunique()} items; pass the rows of one id")
-        frame = frame.sort_values(["token_index", "segment"])
-        T, K = frame["token_index"].nunique(), frame["segment"].nunique()
-        if T * K != len(frame) or T == 0:
-            raise ValueError(f"frame has {len(frame)} rows, not a full grid of {T} tokens x {K} segments")
-
-        def grid(column: str) -> torch.Tensor:  # (T, K)
-            return torch.tensor(frame[column].to_numpy(), dtype=torch.float64).view(T, K)
-
-        values, lens_end = grid("value"), grid("lens_end")
-        lens = torch.cat([grid("lens_start")[:, :1], lens_end], 1)  # (T, K+1), the baseline first
-        first = frame[frame["segment"] == frame["segment"].min()]
-        p_base = torch.tensor(first["p_base"].to_numpy(), dtype=torch.float64)
-        p_final = torch.tensor(first["p_final"].to_numpy(), dtype=torch.float64)
-        residual = float((values.sum(-1) - (p_final - p_base)).abs().max())
-        return cls(values, [int(x) for x in frame["layer"].to_numpy()[:K]],
-                   [str(x) for x in frame["label"].to_numpy()[:K]], p_base, p_final, lens, residual,
-                   torch.full((T,), -1), torch.tensor(first["position"].to_numpy()), estimator,
-                   steps, baseline)
-
 
 def check_foil(foil, targets: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
     """Validate a foil: one token id, or one per predicting position; returns (T,) long or None.
@@ -1738,6 +1706,7 @@ class Components:
         return torch.cat([moved, (self.delta_p.to(moved) - moved.sum(-1))[:, None]], -1)
 
 
+@torch.no_grad()
 def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16,
                estimator: str = "gauss_legendre", readout: Optional[Readout] = None,
                quantity: str = "prob", foil=None) -> Components:

@@ -516,6 +516,41 @@ _RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "
                    "residual", "quantity", "foil", "shard"]
 
 
+def attribution_from_frame(frame, *, estimator: str = "prediction_aware", steps: int = 16,
+                           baseline: str = "embedding") -> Attribution:
+    """One item's attribution rebuilt from its rows of a tidy table (``Attribution.to_frame``, or
+    :func:`attribute_dataset` results filtered to one ``id``), e.g. to draw it again.
+
+    The table holds tokens as text only, so ``targets`` (and ``foils``, where the table names a
+    foil) are all -1; ``quantity`` comes from the table's column (``"prob"`` without one).
+
+    Raises:
+        ValueError: rows that do not form a full (token, segment) grid of one item.
+    """
+    if "id" in frame.columns and frame["id"].nunique() > 1:
+        raise ValueError(f"frame holds {frame['id'].nunique()} items; pass the rows of one id")
+    frame = frame.sort_values(["token_index", "segment"])
+    T, K = frame["token_index"].nunique(), frame["segment"].nunique()
+    if T * K != len(frame) or T == 0:
+        raise ValueError(f"frame has {len(frame)} rows, not a full grid of {T} tokens x {K} segments")
+
+    def grid(column: str) -> torch.Tensor:  # (T, K)
+        return torch.tensor(frame[column].to_numpy(), dtype=torch.float64).view(T, K)
+
+    values, lens_end = grid("value"), grid("lens_end")
+    lens = torch.cat([grid("lens_start")[:, :1], lens_end], 1)  # (T, K+1), the baseline first
+    first = frame[frame["segment"] == frame["segment"].min()]
+    p_base = torch.tensor(first["p_base"].to_numpy(), dtype=torch.float64)
+    p_final = torch.tensor(first["p_final"].to_numpy(), dtype=torch.float64)
+    residual = float((values.sum(-1) - (p_final - p_base)).abs().max())
+    quantity = str(frame["quantity"].iloc[0]) if "quantity" in frame.columns else "prob"
+    has_foil = "foil" in frame.columns and bool(frame["foil"].notna().any())
+    return Attribution(values, [int(x) for x in frame["layer"].to_numpy()[:K]],
+                       [str(x) for x in frame["label"].to_numpy()[:K]], p_base, p_final, lens, residual,
+                       torch.full((T,), -1), torch.tensor(first["position"].to_numpy()), estimator,
+                       steps, baseline, quantity=quantity, foils=torch.full((T,), -1) if has_foil else None)
+
+
 def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foil: Optional[str]):
     frame = attribution.to_frame(tokenizer)
     frame.insert(0, "id", item_id)

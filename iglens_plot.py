@@ -56,8 +56,7 @@ def _units(attribution: Attribution, quantity: Optional[str] = None, foil: Optio
 
     Args:
         quantity: ``"prob"`` or ``"logprob"``; None: ``attribution.quantity`` (an attribution
-            rebuilt by :meth:`Attribution.from_frame` says ``"prob"`` whatever the table held: pass
-            the table's ``quantity`` here).
+            rebuilt by :func:`iglens_data.attribution_from_frame` carries the table's).
         foil: f is a difference with a foil; None: whether ``attribution.foils`` is set.
     """
     quantity = attribution.quantity if quantity is None else quantity
@@ -230,8 +229,7 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
             once as ``plotly.min.js`` beside the file and loads it from there (many views in one
             folder, still offline).
         quantity, foil: what f is, for titles and colour ranges (see :func:`_units`); default:
-            the attribution's own. Pass the table's ``quantity`` (and whether it has a ``foil``)
-            for an attribution rebuilt by :meth:`Attribution.from_frame`.
+            the attribution's own.
         sources: a :class:`Components` with ``sources`` (the same targets; blocks 1..n), or one
             item's rows of the dataset parts table (:func:`iglens_data.attribute_dataset` with
             ``resolution="source"``: its ``source_total`` and ``source_rest`` rows, a single

@@ -214,16 +214,16 @@ def test_rank0_reports_shards_it_cannot_see(tmp_path, tokenizer, monkeypatch):
 def test_from_frame_rebuilds_the_attribution():
     model = tiny_model("gpt2", seed=6)
     attribution = ig.ig_lens(model, random_trace(model, seed=7), layers=[1, 2])
-    rebuilt = ig.Attribution.from_frame(attribution.to_frame())
+    rebuilt = igd.attribution_from_frame(attribution.to_frame())
     torch.testing.assert_close(rebuilt.values, attribution.values.double())
     torch.testing.assert_close(rebuilt.lens, attribution.lens.double())
     torch.testing.assert_close(rebuilt.delta_p, attribution.delta_p.double())
     assert rebuilt.layers == attribution.layers and rebuilt.labels == attribution.labels
     assert abs(rebuilt.residual - attribution.residual) < 1e-7
     with pytest.raises(ValueError, match="full grid"):
-        ig.Attribution.from_frame(attribution.to_frame().iloc[1:])
+        igd.attribution_from_frame(attribution.to_frame().iloc[1:])
     with pytest.raises(ValueError, match="one id"):
-        ig.Attribution.from_frame(pd.concat([attribution.to_frame().assign(id="a"),
+        igd.attribution_from_frame(pd.concat([attribution.to_frame().assign(id="a"),
                                              attribution.to_frame().assign(id="b")]))
 
 
