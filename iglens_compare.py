@@ -1322,6 +1322,35 @@ def top_indices(values, k: int = 1) -> np.ndarray:
     return np.argsort(-ranks, axis=-1, kind="stable")[..., :k]
 
 
+def top_parts(values, k: int = 10, *, by: str = "value") -> np.ndarray:
+    """(m,) flat indices of the ``k`` largest parts of ``values``, leaving out every part tied with
+    zero: ``m <= k`` (fewer when fewer parts are clearly non-zero).
+
+    The order is :func:`top_indices` over the flattened array (ties within
+    :func:`iglens_core.tie_tolerance` go to the lower flat index, e.g. the earlier block); a part
+    whose score is within that tolerance of zero is never picked, so parts that carry nothing (a
+    source position after the predicting one, a head that reads nothing) never fill a top-k list.
+
+    Args:
+        values: (...) parts of any shape, e.g. ``Components.sources[t]`` (n, H, S); use
+            ``np.unravel_index(indices, values.shape)`` for the (block, head, source) of each.
+        k: at most this many, >= 1.
+        by: ``"value"`` (the largest signed values: the parts that add the most) or ``"abs"``
+            (the largest magnitudes, either sign).
+    """
+    if by not in ("value", "abs"):
+        raise ValueError(f"by must be 'value' or 'abs', got {by!r}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    flat = np.asarray(torch.as_tensor(values, dtype=torch.float64)).ravel()
+    if flat.size == 0 or np.isnan(flat).any():
+        raise ValueError(f"values must be non-empty and without NaN, got shape {np.shape(values)}")
+    score = flat if by == "value" else np.abs(flat)
+    order = top_indices(score, len(score))
+    keep = score[order] > tie_tolerance(score)[0]  # tied with zero (or below it): never picked
+    return order[keep][:k]
+
+
 def spearman_rows(scores, effects) -> np.ndarray:
     """(T,) Spearman rank correlation, per token, between a per-layer score and ablation effects.
 
@@ -1684,3 +1713,23 @@ def verdict_table(per_item, per_patch, methods: Sequence[str], modes: Sequence[s
             row[column] = format_ci(sel[metric], n_boot=n_boot, seed=seed)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------
+# 7. Source maps against causal tracing (notebooks 08 and 09)
+# ---------------------------------------------------------------------------
+
+def word_spans(tokenizer, ids: Sequence[int], word: str) -> list[tuple[int, int]]:
+    """Token spans ``(start, stop)`` of every occurrence of ``word`` in ``decode(ids)``, in order
+    (case-insensitive, as :func:`iglens_data.token_span`); ``[]`` when it does not occur. The last
+    subject token of a sequence is ``word_spans(...)[-1][1] - 1``."""
+    from iglens_data import token_span
+    ids = [int(i) for i in ids]
+    spans, start = [], 0
+    while start < len(ids):
+        found = token_span(tokenizer, ids[start:], word)
+        if found is None:
+            break
+        spans.append((start + found[0], start + found[1]))
+        start += found[1]
+    return spans
