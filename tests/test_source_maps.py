@@ -169,7 +169,8 @@ def test_source_route_scores_on_a_constructed_item():
     from scipy.stats import spearmanr
     want = spearmanr(parts.sum((0, 1)), _grid(S, n, subject, 2)[:, :n].max(1)).statistic
     assert scores["spearman_positions"] == pytest.approx(want, abs=1e-12)
-    grid = spearmanr(parts.sum(1).round(6).ravel(),  # the 1e-8 tie counts as a tie _grid(S, n, subject, 2)[:, :n].T.ravel()).statistic
+    tied = parts.sum(1).round(6).ravel()  # the 1e-8 tie counts as a tie
+    grid = spearmanr(tied, _grid(S, n, subject, 2)[:, :n].T.ravel()).statistic
     assert scores["spearman_grid"] == pytest.approx(grid, abs=1e-12)
     # nothing read from the subject, and a subject row that never reaches half: NaN, not a guess
     parts[:, :, subject] = 1e-7
