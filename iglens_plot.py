@@ -410,8 +410,9 @@ def _position_map(ax, values: np.ndarray, tokens: Sequence[str], *, cmap: str = 
     image = ax.imshow(values, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest",
                       extent=(-0.5, count - 0.5, first + rows - 0.5, first - 0.5))
     ax.set_xticks(range(count), token_labels(tokens), rotation=90, fontsize=7)
-    for position in highlight:
-        ax.get_xticklabels()[position].set_color("tab:red")
+    labels = ax.get_xticklabels()  # empty on the upper axes of a shared x axis
+    for position in highlight if labels else ():
+        labels[position].set_color("tab:red")
     ax.set_yticks([first + i for i in _tick_indices(rows, 10)])
     return image
 
@@ -450,5 +451,34 @@ def plot_source_map(source_map, tokens: Sequence[str], *, title: str = "", highl
     ax.set_xlabel("source token s (what the head reads)")
     ax.set_ylabel("block L")
     fig.colorbar(image, ax=ax, label="moved by block L's heads from s (Δ probability)", pad=0.01)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def plot_source_vs_trace(source_map, restoration, tokens: Sequence[str], *, title: str = "",
+                         highlight: Sequence[int] = (), figsize: tuple[float, float] = (13, 9)):
+    """Notebook 09's example: one item's IG-Lens source-token x block map above its causal trace grid,
+    the same tokens across both.
+
+    Args:
+        source_map: (n, S) probability moved by block L's heads from position s (IG-Lens sources).
+        restoration: (S, n+1) ``CausalTrace.restoration``, drawn as nodes 0..n down.
+        tokens: (S,) the positions' tokens; highlight: positions with red labels (the subject).
+    """
+    import matplotlib.pyplot as plt
+    values = np.asarray(torch.as_tensor(source_map, dtype=torch.float64))
+    grid = np.asarray(torch.as_tensor(restoration, dtype=torch.float64)).T  # (n+1, S)
+    if grid.shape != (values.shape[0] + 1, values.shape[1]):
+        raise ValueError(f"restoration must be (S, n+1) for a source map (n, S) = {values.shape}, got {grid.T.shape}")
+    fig, (ax_map, ax_trace) = plt.subplots(2, 1, figsize=figsize, sharex=True, constrained_layout=True)
+    image = _position_map(ax_map, values, tokens, highlight=highlight)
+    ax_map.set_ylabel("block L")
+    ax_map.set_title("IG-Lens: probability moved by block L's heads from token s", fontsize=10)
+    fig.colorbar(image, ax=ax_map, label="Δ probability", pad=0.01)
+    image = _position_map(ax_trace, grid, tokens, cmap="Purples", centred=False, highlight=highlight, first=0)
+    ax_trace.set_ylabel("node L (restored h_L)")
+    ax_trace.set_xlabel("position s")
+    ax_trace.set_title("causal trace: share of the clean probability restored by h_L(s) alone", fontsize=10)
+    fig.colorbar(image, ax=ax_trace, label="restoration r(s, L)", pad=0.01)
     fig.suptitle(title, fontsize=11)
     return fig

@@ -183,3 +183,18 @@ def test_source_route_scores_on_a_constructed_item():
         cmp.source_route_scores(parts, r, S - 1)
     with pytest.raises(ValueError, match="restoration"):
         cmp.source_route_scores(parts, r[:, :-1], subject)
+
+
+def test_source_vs_trace_figure_draws_both_grids():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rng = np.random.default_rng(3)
+    source_map, restoration = rng.normal(size=(4, 6)), rng.random((6, 5))
+    fig = igp.plot_source_vs_trace(source_map, restoration, [f"t{i}" for i in range(6)], highlight=[2])
+    ax_map, ax_trace = [ax for ax in fig.axes if ax.images][:2]
+    np.testing.assert_array_equal(ax_map.images[0].get_array(), source_map)
+    np.testing.assert_array_equal(ax_trace.images[0].get_array(), restoration.T)
+    plt.close(fig)
+    with pytest.raises(ValueError, match="restoration must be"):
+        igp.plot_source_vs_trace(source_map, restoration[:, :-1], [f"t{i}" for i in range(6)])
