@@ -50,13 +50,17 @@ unit: model
 	TQDM_DISABLE=1 $(PY) -m pytest tests -q
 
 # twice: at 2 threads and at 1 (another reduction order, so another float path); the checked
-# cells must print the same text on both, as they must on another CPU or a GPU
+# cells must print the same text on both, as they must on another CPU or a GPU. Each pass runs
+# cores / threads notebooks at a time (pytest-xdist; --dist loadscope keeps a notebook's cells in
+# one kernel, in order)
 NBVAL_THREADS ?= 2 1
+NPROC ?= $(shell nproc 2>/dev/null || echo 2)
 nbval: model
 	@test -n "$(NOTEBOOKS)" || { echo "no numbered notebooks to check"; exit 0; }; \
 	for threads in $(NBVAL_THREADS); do \
-	  echo "nbval at OMP_NUM_THREADS=$$threads"; \
-	  OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 $(PY) -m pytest -q \
+	  workers=$$(( $(NPROC) / threads )); [ $$workers -ge 1 ] || workers=1; \
+	  echo "nbval at OMP_NUM_THREADS=$$threads, $$workers notebooks at a time"; \
+	  OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 $(PY) -m pytest -q -n $$workers --dist loadscope \
 	    --nbval-lax --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS) || exit 1; \
 	done
 

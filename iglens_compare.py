@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from iglens_core import (_ATTENTIONS, _MLPS, CACHE_DIR, Adapter, Readout, Trace, _first_attr, _first_output,
-                         _hidden_arg, _projection, _projection_weight, _quiet_transformers, check_layers, collect,
+                         _head_values, _hidden_arg, _projection, _projection_weight, _quiet_transformers, check_layers, collect,
                          check_same_model, component_terms, get_adapter, precision, tie_tolerance)
 import iglens_data as igd
 
@@ -768,7 +768,8 @@ def _component_layout(model, adapter: Adapter, resolution: str):
 
 
 def component_dla(model, trace: Trace, *, resolution: str = "head") -> torch.Tensor:
-    """Direct logit attribution of every head (or MLP neuron) of every block, in logits.
+    """Direct logit attribution of every head (or MLP neuron, or head and source position) of every
+    block, in logits.
 
     Part k's output ``delta_k`` (a head through its slice of the output projection, or a neuron
     times its column of the down projection; through the post-norm's diagonal map on Gemma; the
@@ -777,20 +778,24 @@ def component_dla(model, trace: Trace, *, resolution: str = "head") -> torch.Ten
     Summed over the parts of both sublayers of block L it is that function's value for block L.
 
     Args:
-        trace: from :func:`iglens_core.collect_components`.
-        resolution: ``"head"`` or ``"neuron"``.
+        trace: from :func:`iglens_core.collect_components` (``sources=True`` for ``"source"``).
+        resolution: ``"head"``, ``"neuron"`` or ``"source"``: each head's part split over the
+            source positions it reads, ``s <scale_t * P D W_O[:, h] A_h(t, s) v_h(s), W_U[y_t]>``
+            (per-head DLA by source position); summed over s it is the head's DLA.
 
     Returns:
-        (T, n, H + 1) or (T, n, d_ff + 1) float64 logits (pre soft-cap).
+        (T, n, H + 1) or (T, n, d_ff + 1) float64 logits (pre soft-cap); ``"source"``: (T, n, H, S).
     """
     check_same_model(model, trace)
     adapter = get_adapter(model)
-    sublayer = _component_layout(model, adapter, resolution)[0]
+    sources = resolution == "source"
+    sublayer = _component_layout(model, adapter, "head" if sources else resolution)[0]
     scale, center, _ = _frozen_final_norm(adapter, trace.hidden[-1].double())
     read = scale * adapter.head.weight.detach().double().cpu()[trace.targets]  # (T, d)
     if center:  # <P x, r> = <x, P r>: P is the (symmetric) centring projection
         read = read - read.mean(-1, keepdim=True)
-    return component_terms(model, trace, adapter.logit_scale * read, sublayer)[0]
+    terms, _, per_source = component_terms(model, trace, adapter.logit_scale * read, sublayer, sources=sources)
+    return per_source if sources else terms
 
 
 @torch.no_grad()
@@ -1324,22 +1329,26 @@ def top_indices(values, k: int = 1) -> np.ndarray:
 
 
 def top_positive(values, k: int) -> np.ndarray:
-    """Indices of up to ``k`` largest values of a 1-D score that lie above 0 by more than the tie
-    tolerance, ordered as :func:`top_indices` orders them (largest first, ties: lower index).
+    """Flat indices of up to ``k`` largest values of a score of any shape that lie above 0 by more
+    than the tie tolerance, ordered as :func:`top_indices` orders them (largest first, ties: lower
+    flat index, e.g. the earlier block).
 
-    Parts whose score is tied with 0 (e.g. heads of early blocks whose share of Δp is 1e-9) are
-    never picked: ranking them would order rounding, and the earliest-index tie break would fill
-    a top-k set with block 1. Fewer than ``k`` come back where fewer are positive.
+    Parts whose score is tied with 0 (e.g. heads of early blocks whose share of Δp is 1e-9, a source
+    position after the predicting one) are never picked: ranking them would order rounding, and the
+    earliest-index tie break would fill a top-k set with block 1. Fewer than ``k`` come back where
+    fewer are positive. For the largest magnitudes pass ``abs(values)``; for the most negative,
+    ``-values``.
 
     Args:
-        values: (n,) scores (shares, |DLA|, ...).
-        k: 1..n.
+        values: (...) scores (shares, |DLA|, (n, H, S) sources, ...), flattened in C order; use
+            ``np.unravel_index(indices, values.shape)`` for the position of each.
+        k: 1..values.size.
     """
-    x = np.asarray(torch.as_tensor(values, dtype=torch.float64))
-    if x.ndim != 1:
-        raise ValueError(f"values must be 1-D (flatten a grid first), got shape {x.shape}")
+    x = np.asarray(torch.as_tensor(values, dtype=torch.float64)).reshape(-1)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= len(x):
         raise ValueError(f"k must be an integer in 1..{len(x)}, got {k!r}")
+    if np.isnan(x).any():
+        raise ValueError(f"values must be without NaN, got {int(np.isnan(x).sum())} NaN of {len(x)}")
     return igd.top_parts(np.maximum(x, 0.0), k)  # negatives join the parts tied with 0
 
 
@@ -1705,3 +1714,118 @@ def verdict_table(per_item, per_patch, methods: Sequence[str], modes: Sequence[s
             row[column] = format_ci(sel[metric], n_boot=n_boot, seed=seed)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------
+# 7. Source maps against causal tracing (notebooks 08 and 09)
+# ---------------------------------------------------------------------------
+
+def word_spans(tokenizer, ids: Sequence[int], word: str) -> list[tuple[int, int]]:
+    """Token spans ``(start, stop)`` of every occurrence of ``word`` in ``decode(ids)``, in order
+    (case-insensitive, as :func:`iglens_data.token_span`); ``[]`` when it does not occur. The last
+    subject token of a sequence is ``word_spans(...)[-1][1] - 1``."""
+    from iglens_data import token_span
+    ids = [int(i) for i in ids]
+    spans, start = [], 0
+    while start < len(ids):
+        found = token_span(tokenizer, ids[start:], word)
+        if found is None:
+            break
+        spans.append((start + found[0], start + found[1]))
+        start += found[1]
+    return spans
+
+
+def attention_norm(model, trace: Trace) -> torch.Tensor:
+    """The control "attention weight x value norm" (Kobayashi et al. 2020): for every head h of every
+    block and source position s, ``A_h(t, s) * ||W_O[:, slice_h] v_h(s)||``, the length of what the
+    head writes from s (value bias included, post-norm left out), unsigned and in residual units.
+
+    Args:
+        trace: from :func:`iglens_core.collect_components` with ``sources=True``.
+
+    Returns:
+        (T, n, H, S) float64, >= 0.
+    """
+    check_same_model(model, trace)
+    if trace.patterns is None:
+        raise ValueError("attention_norm needs a trace from collect_components(model, input_ids, prompt_len, "
+                         "sources=True)")
+    adapter = get_adapter(model)
+    out = []
+    for layer, block in enumerate(adapter.blocks):
+        weight = _projection_weight(_projection(block, "attn")[0])[0].double().cpu()  # (d, H * hd)
+        values = _head_values(trace, layer)  # (S, H, hd)
+        heads = values.shape[1]
+        written = torch.einsum("dhk,shk->shd", weight.view(-1, heads, values.shape[-1]), values)  # (S, H, d)
+        out.append(trace.patterns[layer].double() * written.norm(dim=-1).T[None])  # (T, H, S)
+    return torch.stack(out, 1)
+
+
+def restoration_last(restoration, level: float = 0.5) -> np.ndarray:
+    """(N,) last node ``L`` with ``r(L) >= level`` in each row of an (N, nodes) restoration array,
+    -1 where none does; ``r`` within :func:`iglens_core.tie_tolerance` of ``level`` counts, as in
+    :func:`restoration_half`. At the last subject token the restoration is high at early nodes and
+    falls once attention has moved what it holds: this is the node where it falls below ``level``."""
+    r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
+    if r.ndim != 2:
+        raise ValueError(f"restoration must have shape (N, nodes), got {r.shape}")
+    if not 0.0 < level <= 1.0:
+        raise ValueError(f"level must be in (0, 1], got {level}")
+    reached = r >= level - tie_tolerance(np.nan_to_num(r))
+    last = r.shape[1] - 1 - reached[:, ::-1].argmax(-1)
+    return np.where(reached.any(-1), last, -1)
+
+
+SOURCE_METRICS = ("top_from_subject", "top_from_last", "names_subject_block", "distance", "within2",
+                  "spearman_positions", "spearman_grid")
+
+
+def source_route_scores(parts, restoration, subject: int, *, level: float = 0.5) -> dict:
+    """One item: a (block, head, source) map of the focus token against its causal trace grid.
+
+    - the top route: the (block, head, source) part with the largest value (:func:`top_positive`;
+      ties to the earlier block, parts tied with zero never); ``top_from_subject`` /
+      ``top_from_last``: 1.0 when its source is the last subject token / the predicting position;
+    - ``subject_block`` (1..n): the block of the top part read from the last subject token, against
+      ``trace_block``: 1 + the last node at which restoring that token alone recovers ``level`` of
+      the probability (:func:`restoration_last`; block L + 1 reads node L, so a route from the subject
+      at block B agrees when B is that block); ``distance`` = ``|subject_block - trace_block|`` and
+      ``within2``; NaN where either is missing (``names_subject_block`` says whether the map names one);
+    - ``spearman_positions``: Spearman with ties (:func:`spearman_rows`) over the S positions between
+      the map's per-position total and the strongest restoration at that position (max over nodes
+      0..n-1); ``spearman_grid``: over the n x S cells, block L against node L - 1.
+
+    Args:
+        parts: (n, H, S) the method's scores, S the positions up to the predicting one (the last).
+        restoration: (S, n+1) :attr:`CausalTrace.restoration` of the same sequence.
+        subject: position of the last subject token, 0..S-2.
+
+    Returns:
+        A dict of floats: ``top_block``, ``top_head``, ``top_source``, ``subject_block``,
+        ``trace_block`` and the :data:`SOURCE_METRICS`.
+    """
+    parts = np.asarray(torch.as_tensor(parts, dtype=torch.float64))
+    r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
+    if parts.ndim != 3 or r.shape != (parts.shape[2], parts.shape[0] + 1):
+        raise ValueError(f"parts must be (n, H, S) and restoration (S, n+1), got {parts.shape} and {r.shape}")
+    n, _, S = parts.shape
+    if isinstance(subject, bool) or not isinstance(subject, (int, np.integer)) or not 0 <= subject < S - 1:
+        raise ValueError(f"subject must be a position in 0..{S - 2} (before the predicting one), got {subject!r}")
+    nan = math.nan
+    top = top_positive(parts, 1)
+    block, head, source = (np.unravel_index(int(top[0]), parts.shape) if len(top) else (nan, nan, nan))
+    from_subject = top_positive(parts[:, :, subject], 1)
+    subject_block = float(from_subject[0] // parts.shape[1] + 1) if len(from_subject) else nan
+    last = int(restoration_last(r[subject:subject + 1, :n], level)[0])
+    trace_block = float(last + 1) if last >= 0 else nan
+    distance = abs(subject_block - trace_block)
+    per_position = np.stack([parts.sum((0, 1)), r[:, :n].max(1)])
+    grid = np.stack([parts.sum(1).ravel(), r[:, :n].T.ravel()])
+    return dict(top_block=float(block) + 1, top_head=float(head), top_source=float(source),
+                top_from_subject=float(source == subject) if len(top) else nan,
+                top_from_last=float(source == S - 1) if len(top) else nan,
+                names_subject_block=float(len(from_subject) > 0), subject_block=subject_block,
+                trace_block=trace_block, distance=distance, within2=float(distance <= 2) if distance == distance else nan,
+                spearman_positions=float(spearman_rows(per_position[:1], per_position[1:])[0]),
+                spearman_grid=float(spearman_rows(grid[:1], grid[1:])[0]))

@@ -577,3 +577,96 @@ def plot_decisive_blocks(onset: np.ndarray, decisive: Mapping[str, np.ndarray], 
         ax.set_ylabel("largest |term| (block)")
     fig.suptitle(title)
     return fig
+
+
+def token_labels(tokens: Sequence[str]) -> list[str]:
+    """Tokens as tick labels: newlines and tabs escaped, a lone space shown as ``␣``."""
+    return [repr(tok)[1:-1] if tok.strip() else repr(tok)[1:-1].replace(" ", "␣") for tok in tokens]
+
+
+def _position_map(ax, values: np.ndarray, tokens: Sequence[str], *, cmap: str = "RdBu_r", centred: bool = True,
+                  highlight: Sequence[int] = (), first: int = 1):
+    """Draw (rows, S) ``values`` on ``ax``: source tokens across, rows (blocks or nodes, numbered from
+    ``first``) down, diverging colours centred at 0 (``centred``) or a sequential map; tokens in
+    ``highlight`` get red tick labels. Returns the image for a colour bar."""
+    from matplotlib.colors import Normalize, TwoSlopeNorm
+    rows, count = values.shape
+    if len(tokens) != count:
+        raise ValueError(f"tokens must hold one label per source position ({count}), got {len(tokens)}")
+    bound = max(float(np.nanmax(np.abs(values))), 1e-9)
+    norm = TwoSlopeNorm(vcenter=0.0, vmin=-bound, vmax=bound) if centred else Normalize(0.0, bound)
+    image = ax.imshow(values, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest",
+                      extent=(-0.5, count - 0.5, first + rows - 0.5, first - 0.5))
+    ax.set_xticks(range(count), token_labels(tokens), rotation=90, fontsize=7)
+    labels = ax.get_xticklabels()  # empty on the upper axes of a shared x axis
+    for position in highlight if labels else ():
+        labels[position].set_color("tab:red")
+    ax.set_yticks([first + i for i in _tick_indices(rows, 10)])
+    return image
+
+
+def plot_source_map(source_map, tokens: Sequence[str], *, title: str = "", highlight: Sequence[int] = (),
+                    rest: Optional[float] = None, figsize: tuple[float, float] = (13, 7.5)):
+    """Source-token x block map of one target token: what the heads of each block moved into the
+    predicting position from each source token (IG-Lens sources summed over heads), with the
+    per-token total over blocks above it.
+
+    Args:
+        source_map: (n, S) the target's f (probability) credited to block L's heads for what they
+            read at position s, e.g. ``Components.sources[t].sum(1)`` cut to the positions up to
+            the predicting one.
+        tokens: (S,) the source tokens as text.
+        highlight: positions whose labels are drawn in red (e.g. the subject's tokens).
+        rest: the part no head moved (MLPs, biases), named in the bar panel's title.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+    values = np.asarray(torch.as_tensor(source_map, dtype=torch.float64))
+    if values.ndim != 2:
+        raise ValueError(f"source_map must have shape (n, S), got {values.shape}")
+    totals = values.sum(0)
+    fig, (ax_sum, ax) = plt.subplots(2, 1, figsize=figsize, height_ratios=[1, 3.2], sharex=True,
+                                     constrained_layout=True)
+    ax_sum.bar(range(len(totals)), totals, color=np.where(totals >= 0, "tab:red", "tab:blue"), width=0.8)
+    ax_sum.axhline(0, color="black", lw=0.6)
+    ax_sum.set_ylabel("over all blocks\n(Δ probability)")
+    ax_sum.set_title(f"moved from each token by all heads: {totals.sum():+.3f}"
+                     + (f"; not moved by a head (MLPs, biases): {rest:+.3f}" if rest is not None else ""),
+                     fontsize=9)
+    image = _position_map(ax, values, tokens, highlight=highlight)
+    ax.set_xlabel("source token s (what the head reads)")
+    ax.set_ylabel("block L")
+    fig.colorbar(image, ax=ax, label="moved by block L's heads from s (Δ probability)", pad=0.01)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def plot_source_vs_trace(source_map, restoration, tokens: Sequence[str], *, title: str = "",
+                         highlight: Sequence[int] = (), figsize: tuple[float, float] = (13, 9)):
+    """Notebook 09's example: one item's IG-Lens source-token x block map above its causal trace grid,
+    the same tokens across both.
+
+    Args:
+        source_map: (n, S) probability moved by block L's heads from position s (IG-Lens sources).
+        restoration: (S, n+1) ``CausalTrace.restoration``, drawn as nodes 0..n down.
+        tokens: (S,) the positions' tokens; highlight: positions with red labels (the subject).
+    """
+    import matplotlib.pyplot as plt
+    values = np.asarray(torch.as_tensor(source_map, dtype=torch.float64))
+    grid = np.asarray(torch.as_tensor(restoration, dtype=torch.float64)).T  # (n+1, S)
+    if grid.shape != (values.shape[0] + 1, values.shape[1]):
+        raise ValueError(f"restoration must be (S, n+1) for a source map (n, S) = {values.shape}, got {grid.T.shape}")
+    fig, (ax_map, ax_trace) = plt.subplots(2, 1, figsize=figsize, sharex=True, constrained_layout=True)
+    image = _position_map(ax_map, values, tokens, highlight=highlight)
+    ax_map.set_ylabel("block L")
+    ax_map.set_title("IG-Lens: probability moved by block L's heads from token s", fontsize=10)
+    fig.colorbar(image, ax=ax_map, label="Δ probability", pad=0.01)
+    image = _position_map(ax_trace, grid, tokens, cmap="Purples", centred=False, highlight=highlight, first=0)
+    ax_trace.set_ylabel("node L (restored h_L)")
+    ax_trace.set_xlabel("position s")
+    ax_trace.set_title("causal trace: share of the clean probability restored by h_L(s) alone", fontsize=10)
+    fig.colorbar(image, ax=ax_trace, label="restoration r(s, L)", pad=0.01)
+    fig.suptitle(title, fontsize=11)
+    return fig

@@ -125,5 +125,7 @@ def test_top_positive_skips_parts_tied_with_zero():
             expected = np.argsort(-x, kind="stable")[:min(k, len(live))]
             assert sorted(top.tolist()) == sorted(expected.tolist())
             assert (noisy[top] > 1e-5).all()
-    with pytest.raises(ValueError, match="1-D"):
-        cmp.top_positive(np.zeros((2, 3)), 1)
+    with pytest.raises(ValueError, match="k must be"):
+        cmp.top_positive(np.zeros((2, 3)), 7)
+    with pytest.raises(ValueError, match="without NaN"):
+        cmp.top_positive(np.array([1.0, np.nan]), 1)
