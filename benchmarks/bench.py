@@ -31,6 +31,8 @@ Items, in the order of the issue:
 12. activation patching of every node of one fact against a loop of spliced full forward passes;
 13. causal tracing: the position x node grid of one fact (``causal_trace``) against one spliced
     full forward pass per cell;
+14. Dual Path Attribution's ablation protocol for one fact (10 fractions x 2 modes, batched) against
+    one forward pass per fraction, and IG-Lens's component scores against AtP's (issue 23);
 
 and the levers measured for the readout (node products, chunk rows, log-softmax vs logsumexp,
 the tangent's product, inference mode).
@@ -1036,10 +1038,45 @@ def item13_causal_trace(ctx) -> None:
         fmt_time(ours_time), fmt_time(naive_time), f"{ratio:.1f}x faster", ">= 5x", ratio >= 5)
 
 
+def item14_dpa(ctx) -> None:
+    """Dual Path Attribution's ablation protocol for one item (issue 23): batched vs one forward per
+    fraction; IG-Lens's component scores vs AtP's (a forward and a backward pass)."""
+    import iglens_compare as cmp
+    model, tokenizer = ctx.model, ctx.tokenizer
+    ids, prompt_len = igd.encode(tokenizer, "What is the capital of France?", "The capital of France is Paris.")
+    focus = prompt_len + igd.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
+    prompt, target = ids[:, :focus], int(ids[0, focus])
+    scores = cmp.dpa_scores(model, prompt, target, "atp")
+    F = len(cmp.DPA_FRACTIONS)
+
+    def protocol(batch_size=None):
+        return np.stack([cmp.dpa_ablation(model, prompt, target, scores, mode=mode, batch_size=batch_size)
+                         for mode in cmp.DPA_MODES])
+
+    gap = float(np.abs(protocol() - protocol(batch_size=1)).max())
+    best = best_of({"ours": protocol, "naive": lambda: protocol(batch_size=1)}, ctx.args.repeats, ctx.device)
+    ratio = best["naive"] / best["ours"]
+    n, H, d_ff = cmp._dpa_layout(model)
+    S = prompt.shape[1]
+    add(f"14. DPA ablation protocol, one item ({S} tokens, {n * H * S * S + n * S * d_ff} edges and neurons ranked "
+        f"together; {F} fractions x 2 modes, each mode's {F + 1} rows in one batched forward) vs one forward per "
+        f"fraction ({2 * (F + 1)} passes; drops agree to {gap:.0e} percentage points)",
+        fmt_time(best["ours"]), fmt_time(best["naive"]), f"{ratio:.1f}x faster", "report", None)
+    fns = {"ig_lens": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens"),
+           "ig_lens_gauss": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens_gauss"),
+           "atp": lambda: cmp.dpa_scores(model, prompt, target, "atp")}
+    best = best_of(fns, ctx.args.repeats, ctx.device)
+    for name, label in (("ig_lens", "prediction-aware"), ("ig_lens_gauss", "Gauss-Legendre")):
+        ratio = best[name] / best["atp"]
+        add(f"14. IG-Lens component scores for one item ({label}, m=16: collect with sources + components "
+            f"'all', no backward) vs AtP (forward + backward, every edge and neuron)",
+            fmt_time(best[name]), fmt_time(best["atp"]), f"{ratio:.2f}x the time", "<= 0.5x", ratio <= 0.5)
+
+
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
          5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers,
          10: item10_dataset, 11: item11_components,
-         12: item12_patching, 13: item13_causal_trace}
+         12: item12_patching, 13: item13_causal_trace, 14: item14_dpa}
 
 
 def main(argv=None) -> int:
@@ -1056,7 +1093,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="item 6 at 64 tokens, longer sweeps")
     parser.add_argument("--facts", type=int, default=96, help="facts of item 10 (data/facts.csv)")
     parser.add_argument("--batch-size", type=int, default=16, help="items per batch of item 10")
-    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching, 13 = causal trace)")
+    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching, 13 = causal trace, 14 = DPA ablation)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:

@@ -1,0 +1,285 @@
+"""Dual Path Attribution's ablation protocol (issue 23): the batched ablation against a by-hand
+reference (one unbatched forward per fraction, the post-softmax weights zeroed at the softmax and
+the activations at the MLP's act_fn, as the original's nnsight code does), the methods' scores
+against finite differences, eager attention's own weights and IG-Lens's head shares."""
+import math
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+import iglens_compare as cmp
+import iglens_core as ig
+from conftest import blocks, tiny_model
+
+ARCHS = ["llama", "gemma3"]  # both with gated MLPs and GQA (4 query heads, 2 key/value heads)
+HEADS, D_FF, LENGTH = 4, 64, 9
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def case(request):
+    """A float64 tiny model (randomised norms), a random prompt and its arg-max next token."""
+    torch.set_grad_enabled(False)
+    model = tiny_model(request.param, seed=3 + ARCHS.index(request.param), dtype=torch.float64)
+    ids = torch.randint(0, model.config.vocab_size, (1, LENGTH), generator=torch.Generator().manual_seed(1))
+    target = int(model(ids).logits[0, -1].argmax())
+    return request.param, model, ids, target
+
+
+@contextmanager
+def zeroed_by_hand(model, edges=None, neurons=None, edge_add=None):
+    """Eager attention with ``torch.nn.functional.softmax`` wrapped: its output (the attention
+    weights (1, H, S, S) of the block whose attention is running) times ``edges[block]`` (plus
+    ``edge_add[block]``), and a forward hook multiplying each ``mlp.act_fn`` output by
+    ``neurons[block]`` (1, S, d_ff). Found by name here, independently of iglens_compare."""
+    model.set_attn_implementation("eager")
+    current, hooks = [None], []
+    softmax = torch.nn.functional.softmax
+
+    def patched(*args, **kwargs):
+        out = softmax(*args, **kwargs)
+        layer = current[0]
+        if edges is not None:
+            out = out * edges[layer].to(out)
+        if edge_add is not None:
+            out = out + edge_add[layer].to(out)
+        return out
+
+    for layer, block in enumerate(blocks(model)):
+        hooks.append(block.self_attn.register_forward_pre_hook(
+            lambda mod, args, layer=layer: current.__setitem__(0, layer)))
+        if neurons is not None:
+            hooks.append(block.mlp.act_fn.register_forward_hook(
+                lambda mod, args, out, layer=layer: out * neurons[layer].to(out)))
+    torch.nn.functional.softmax = patched
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = softmax
+        for hook in hooks:
+            hook.remove()
+        model.set_attn_implementation("sdpa")
+
+
+def prob_by_hand(model, ids, target, **gates):
+    with zeroed_by_hand(model, **gates):
+        logits = model(ids, use_cache=False).logits[0, -1]
+    return float(torch.softmax(logits.double(), -1)[target])
+
+
+def reference_drops(model, ids, target, edges, neurons, mode, fractions):
+    """Per fraction: rank every component by its score (descending; equal scores, e.g. zeros, in
+    index order), zero the top ceil(N x) or the rest, one unbatched forward each."""
+    n, S = len(blocks(model)), ids.shape[1]
+    flat = np.concatenate([edges.numpy().ravel(), neurons.numpy().ravel()])
+    order = np.argsort(-flat, kind="stable")
+    p_base = prob_by_hand(model, ids, target)
+    drops = []
+    for x in fractions:
+        top = np.zeros(flat.size, bool)
+        top[order[:math.ceil(flat.size * x)]] = True
+        keep = torch.from_numpy(~top if mode == "disrupt" else top).double()
+        edge_keep = keep[:edges.numel()].view(n, 1, HEADS, S, S)
+        neuron_keep = keep[edges.numel():].view(n, 1, S, D_FF)
+        p = prob_by_hand(model, ids, target, edges=edge_keep, neurons=neuron_keep)
+        drops.append((p_base - p) / p_base * 100)
+    return np.array(drops)
+
+
+def random_scores(model, ids, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, S = len(blocks(model)), ids.shape[1]
+    # scales that differ between edges and neurons, so the pooled ranking mixes both kinds
+    return (torch.randn(n, HEADS, S, S, generator=gen, dtype=torch.float64),
+            0.7 * torch.randn(n, S, D_FF, generator=gen, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", cmp.DPA_MODES)
+def test_ablation_matches_zeroing_by_hand(case, mode):
+    arch, model, ids, target = case
+    edges, neurons = random_scores(model, ids, seed=7)
+    fractions = list(cmp.DPA_FRACTIONS) + [0.0, 1.0]
+    ours = cmp.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
+                            fractions=fractions)
+    reference = reference_drops(model, ids, target, edges, neurons, mode, fractions)
+    assert ours.shape == (len(fractions),)
+    assert np.abs(reference).max() > 1.0  # the ablations move p
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-8)
+    # nothing zeroed: no drop (disrupt at x = 0, recover at x = 1)
+    assert abs(ours[-2 if mode == "disrupt" else -1]) < 1e-9
+    # one row per forward pass gives the same drops as all rows in one pass
+    single = cmp.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
+                              fractions=fractions, batch_size=1)
+    np.testing.assert_allclose(single, ours, rtol=0, atol=1e-9)
+
+
+def test_missing_scores_are_zero(case):
+    arch, model, ids, target = case
+    edges, neurons = random_scores(model, ids, seed=8)
+    fractions = [1e-3, 0.05, 0.3]
+    only_edges = cmp.dpa_ablation(model, ids, target, {"edges": edges}, fractions=fractions)
+    reference = reference_drops(model, ids, target, edges, torch.zeros_like(neurons), "disrupt", fractions)
+    np.testing.assert_allclose(only_edges, reference, rtol=0, atol=1e-8)
+    # everything scored 0: the flat order is kept (edges first), and disrupt zeroes the first ones
+    tied = cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions)
+    ordered = torch.arange(edges.numel() + neurons.numel(), 0, -1, dtype=torch.float64)
+    by_index = cmp.dpa_ablation(model, ids, target, {"edges": ordered[:edges.numel()].view_as(edges),
+                                                     "neurons": ordered[edges.numel():].view_as(neurons)},
+                                fractions=fractions)
+    np.testing.assert_allclose(tied, by_index, rtol=0, atol=1e-12)
+
+
+def test_order_ties_are_broken_by_index():
+    gen = np.random.default_rng(0)
+    x = gen.permutation(1000) * 0.01 - 5.0  # spaced far beyond the tolerance (1e-6 of the largest)
+    x[[10, 500, 900]] = 10.0 + np.array([1e-9, 0.0, -1e-9])  # equal within rounding
+    order = cmp.dpa_order(x)
+    assert list(order[:3]) == [10, 500, 900]
+    # a perturbation at the rounding level leaves the order as it is
+    np.testing.assert_array_equal(cmp.dpa_order(x * (1 + 1e-10 * gen.standard_normal(1000))), order)
+    # distinct values: descending
+    assert (np.diff(x[order[3:]]) <= 0).all()
+    assert sorted(order) == list(range(1000))
+
+
+def test_areas_against_trapezoids_by_hand():
+    gen = np.random.default_rng(1)
+    disrupt, recover = 100 * gen.random((5, 10)), 100 * gen.random((5, 10)) - 20
+    areas = cmp.dpa_areas(disrupt, recover)
+    xs = list(cmp.DPA_FRACTIONS)
+
+    def trapezoid(points):
+        points = sorted(points)
+        return sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(points, points[1:]))
+
+    expected_d = trapezoid([(1e-10, 100.0)] + [(x, 100 - disrupt[:, i].mean()) for i, x in enumerate(xs)])
+    expected_r = trapezoid([(1e-6, 0.0), (1.0, 100.0)] + [(x, 100 - recover[:, i].mean()) for i, x in enumerate(xs)])
+    assert math.isclose(areas["disturb_aoc"], expected_d, rel_tol=1e-12)
+    assert math.isclose(areas["recover_aoc"], expected_r, rel_tol=1e-12)
+    assert math.isclose(areas["total"], expected_r - expected_d, rel_tol=1e-12)
+    bare = cmp.dpa_areas(disrupt, recover, anchors=False)
+    assert math.isclose(bare["disturb_aoc"], trapezoid([(x, 100 - disrupt[:, i].mean()) for i, x in enumerate(xs)]),
+                        rel_tol=1e-12)
+    # log scale: the trapezoid over ln x, divided by its range; the fractions are evenly spaced in
+    # ln x (step 1.8), so it is the mean height with half weight at both ends
+    log = cmp.dpa_areas(disrupt, recover, scale="log")
+    y = 100 - recover.mean(0)
+    assert math.isclose(log["recover_aoc"], (y.sum() - (y[0] + y[-1]) / 2) / 9, rel_tol=1e-12)
+    flat = cmp.dpa_areas(np.full((2, 10), 30.0), np.full((2, 10), 30.0), scale="log")
+    assert math.isclose(flat["disturb_aoc"], 70.0) and math.isclose(flat["total"], 0.0, abs_tol=1e-12)
+
+
+def test_atp_against_autograd_and_finite_differences(case):
+    """AtP = a * d p / d a for every edge and neuron, against autograd through the by-hand hooks
+    (an additive zero on every softmax output, a unit gate on every act_fn output), and against a
+    central difference for a few entries (coarse: transformers runs the eager softmax in float32)."""
+    arch, model, ids, target = case
+    n, S = len(blocks(model)), ids.shape[1]
+    atp = cmp.dpa_scores(model, ids, target, "atp")
+    logit = cmp.dpa_scores(model, ids, target, "grad_x_act")
+    weights = cmp.dpa_scores(model, ids, target, "activation")["edges"]
+    add = torch.zeros(n, 1, HEADS, S, S, dtype=torch.float64, requires_grad=True)
+    gate = torch.ones(n, 1, S, D_FF, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad(), zeroed_by_hand(model, edge_add=add, neurons=gate):
+        logits = model(ids, use_cache=False).logits[0, -1]
+        prob_grads = torch.autograd.grad(torch.softmax(logits, -1)[target], (add, gate), retain_graph=True)
+        logit_grads = torch.autograd.grad(logits[target], (add, gate))
+    for ours, (by_add, by_gate) in ((atp, prob_grads), (logit, logit_grads)):
+        assert float(ours["edges"].abs().max()) > 1e-5 and float(ours["neurons"].abs().max()) > 1e-6
+        torch.testing.assert_close(ours["edges"], weights * by_add[:, 0], rtol=1e-7, atol=1e-14)
+        torch.testing.assert_close(ours["neurons"], by_gate[:, 0], rtol=1e-7, atol=1e-14)
+    step = 1e-2
+    for layer, head, query, key in [(0, 1, S - 1, 2), (n - 1, 3, S - 1, S - 1)]:
+        probs = []
+        for sign in (1, -1):
+            shift = torch.zeros(n, 1, HEADS, S, S, dtype=torch.float64)
+            shift[layer, 0, head, query, key] = sign * step * weights[layer, head, query, key]
+            probs.append(prob_by_hand(model, ids, target, edge_add=shift))
+        assert math.isclose(float(atp["edges"][layer, head, query, key]), (probs[0] - probs[1]) / (2 * step),
+                            rel_tol=2e-2)
+    # the control: AtP on the last query row and position only
+    last = cmp.dpa_scores(model, ids, target, "atp_last")
+    torch.testing.assert_close(last["edges"][:, :, -1], atp["edges"][:, :, -1], rtol=0, atol=0)
+    torch.testing.assert_close(last["neurons"][:, -1], atp["neurons"][:, -1], rtol=0, atol=0)
+    assert float(last["edges"][:, :, :-1].abs().max()) == 0 and float(last["neurons"][:, :-1].abs().max()) == 0
+
+
+def test_activation_scores_are_the_models_own(case):
+    arch, model, ids, target = case
+    scores = cmp.dpa_scores(model, ids, target, "activation")
+    eager = tiny_model(arch, seed=3 + ARCHS.index(arch), dtype=torch.float64)
+    eager.set_attn_implementation("eager")
+    acts = {}
+    hooks = [block.mlp.down_proj.register_forward_pre_hook(
+        lambda mod, args, layer=layer: acts.__setitem__(layer, args[0][0]))
+        for layer, block in enumerate(blocks(eager))]
+    attentions = eager(ids, output_attentions=True, use_cache=False).attentions
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(scores["edges"], torch.cat(attentions), rtol=0, atol=1e-7)  # float32 softmax
+    torch.testing.assert_close(scores["neurons"], torch.stack([acts[i] for i in range(len(acts))]).abs(),
+                               rtol=1e-6, atol=1e-7)  # downstream of the float32 softmax
+
+
+def test_ig_lens_edges_add_up_to_head_shares(case):
+    arch, model, ids, target = case
+    S = ids.shape[1]
+    trace = ig.collect_components(model, torch.cat([ids, torch.tensor([[target]])], 1), S)
+    for method, estimator in (("ig_lens", "prediction_aware"), ("ig_lens_gauss", "gauss_legendre")):
+        scores = cmp.dpa_scores(model, ids, target, method, steps=8)
+        parts = ig.components(model, trace, steps=8, estimator=estimator)
+        torch.testing.assert_close(scores["edges"][:, :, S - 1].sum(-1), parts.heads[0, :, :-1], rtol=0, atol=1e-9)
+        torch.testing.assert_close(scores["neurons"][:, S - 1], parts.neurons[0, :, :-1], rtol=0, atol=1e-9)
+        assert float(scores["edges"][:, :, :S - 1].abs().max()) == 0
+        assert float(scores["neurons"][:, :S - 1].abs().max()) == 0
+        assert float(scores["edges"].abs().max()) > 1e-4
+
+
+def test_exhaustive_and_random(case):
+    arch, model, ids, target = case
+    n, S = len(blocks(model)), ids.shape[1]
+    scores = cmp.dpa_scores(model, ids, target, "exhaustive", subset=6, seed=4)
+    flat = torch.cat([scores["edges"].flatten(), scores["neurons"].flatten()])
+    chosen = torch.nonzero(flat).flatten()
+    assert 1 <= len(chosen) <= 6
+    p_base = prob_by_hand(model, ids, target)
+    for index in chosen.tolist():
+        keep = torch.ones(flat.numel(), dtype=torch.float64)
+        keep[index] = 0
+        p = prob_by_hand(model, ids, target, edges=keep[:scores["edges"].numel()].view(n, 1, HEADS, S, S),
+                         neurons=keep[scores["edges"].numel():].view(n, 1, S, D_FF))
+        assert math.isclose(float(flat[index]), p_base - p, rel_tol=0, abs_tol=1e-10)
+    again = cmp.dpa_scores(model, ids, target, "random", seed=5)
+    first = cmp.dpa_scores(model, ids, target, "random", seed=5)
+    torch.testing.assert_close(again["edges"], first["edges"], rtol=0, atol=0)
+    assert not torch.equal(cmp.dpa_scores(model, ids, target, "random", seed=6)["edges"], first["edges"])
+
+
+def test_bad_input(case):
+    arch, model, ids, target = case
+    scores = {"edges": None, "neurons": None}
+    with pytest.raises(ValueError, match="mode must be one of .*disrupt.*'sideways'"):
+        cmp.dpa_ablation(model, ids, target, scores, mode="sideways")
+    with pytest.raises(ValueError, match=r"fractions must be .* in \[0, 1\].*1.5"):
+        cmp.dpa_ablation(model, ids, target, scores, fractions=[0.1, 1.5])
+    with pytest.raises(ValueError, match=r"target must be a token id in 0\.\.96, got 97"):
+        cmp.dpa_ablation(model, ids, 97, scores)
+    with pytest.raises(ValueError, match=r"scores\['edges'\] must have shape \(3, 4, 9, 9\), got \(3, 4, 9\)"):
+        cmp.dpa_ablation(model, ids, target, {"edges": torch.zeros(3, 4, 9)})
+    with pytest.raises(ValueError, match="scores must be a dict with keys"):
+        cmp.dpa_ablation(model, ids, target, {"heads": torch.zeros(3)})
+    with pytest.raises(ValueError, match="must be finite"):
+        cmp.dpa_ablation(model, ids, target, {"neurons": torch.full((3, 9, 64), math.nan)})
+    with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1 or None, got 0"):
+        cmp.dpa_ablation(model, ids, target, scores, batch_size=0)
+    with pytest.raises(ValueError, match=r"token ids must lie in 0\.\.96"):
+        cmp.dpa_ablation(model, ids + 200, target, scores)
+    with pytest.raises(ValueError, match="method must be one of .*'atp'.*'magic'"):
+        cmp.dpa_scores(model, ids, target, "magic")
+    with pytest.raises(ValueError, match="subset must be an integer >= 1, got 0"):
+        cmp.dpa_scores(model, ids, target, "exhaustive", subset=0)
+    with pytest.raises(ValueError, match=r"disrupt drops must have shape \(items, 10\), got \(1, 3\)"):
+        cmp.dpa_areas(np.zeros(3), np.zeros(10))
+    with pytest.raises(ValueError, match="scale"):
+        cmp.dpa_areas(np.zeros(10), np.zeros(10), scale="ln")
