@@ -1476,6 +1476,9 @@ FACT_COLUMNS = ("relation", "subject", "prompt", "object")
 def load_facts(source, *, statement: bool = False):
     """A fact table (one fact per row: ``relation, subject, prompt, object``, and ``answer``).
 
+    A table without an ``id`` column gets one: ``<relation>_<k>``, k = 1, 2, ... within the relation
+    in file order (the notebooks name items by it).
+
     Args:
         source: a CSV path, or a DataFrame.
         statement: for a base model: each prompt becomes its ``answer`` cut before the last
@@ -1499,6 +1502,8 @@ def load_facts(source, *, statement: bool = False):
                              f"it (rows {bad[:5]}, e.g. {facts.answer.iloc[bad[0]]!r} / {facts.object.iloc[bad[0]]!r})")
         prompts = [str(a)[:at].rstrip() for a, at in zip(facts.answer, cut)]
         facts = facts.assign(prompt=prompts, answer=[str(a)[len(p):] for a, p in zip(facts.answer, prompts)])
+    if "id" not in facts.columns:
+        facts.insert(0, "id", [f"{r}_{k + 1:03d}" for r, k in zip(facts.relation, facts.groupby("relation").cumcount())])
     return facts
 
 

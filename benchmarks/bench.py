@@ -1043,7 +1043,8 @@ def item14_dpa(ctx) -> None:
     fraction; IG-Lens's component scores vs AtP's (a forward and a backward pass)."""
     import iglens_compare as cmp
     model, tokenizer = ctx.model, ctx.tokenizer
-    ids, prompt_len = igd.encode(tokenizer, "What is the capital of France?", "The capital of France is Paris.")
+    # a plain prompt, as the original and notebook 10 feed them
+    ids, prompt_len = igd.encode(tokenizer, "The capital of France is", " Paris.", chat=False)
     focus = prompt_len + igd.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
     prompt, target = ids[:, :focus], int(ids[0, focus])
     scores = cmp.dpa_scores(model, prompt, target, "atp")
@@ -1063,12 +1064,17 @@ def item14_dpa(ctx) -> None:
         f"fraction ({2 * (F + 1)} passes; drops agree to {gap:.0e} percentage points)",
         fmt_time(best["ours"]), fmt_time(best["naive"]), f"{ratio:.1f}x faster", "report", None)
     fns = {"ig_lens": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens"),
+           "ig_lens_m4": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens", steps=4),
            "ig_lens_gauss": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens_gauss"),
            "atp": lambda: cmp.dpa_scores(model, prompt, target, "atp")}
     best = best_of(fns, ctx.args.repeats, ctx.device)
-    for name, label in (("ig_lens", "prediction-aware"), ("ig_lens_gauss", "Gauss-Legendre")):
+    m16, m4 = fns["ig_lens"](), fns["ig_lens_m4"]()
+    drift = max(float((m16[k] - m4[k]).abs().max() / m16[k].abs().max()) for k in ("edges", "neurons"))
+    for name, label in (("ig_lens", "prediction-aware, m=16"), ("ig_lens_m4", f"prediction-aware, m=4: scores within "
+                                                                              f"{drift:.0e} of m=16's largest"),
+                        ("ig_lens_gauss", "Gauss-Legendre, m=16")):
         ratio = best[name] / best["atp"]
-        add(f"14. IG-Lens component scores for one item ({label}, m=16: collect with sources + components "
+        add(f"14. IG-Lens component scores for one item ({label}; collect with sources + components "
             f"'all', no backward) vs AtP (forward + backward, every edge and neuron)",
             fmt_time(best[name]), fmt_time(best["atp"]), f"{ratio:.2f}x the time", "<= 0.5x", ratio <= 0.5)
 

@@ -63,6 +63,9 @@ def test_load_facts_statement_mode(tmp_path):
         assert row.prompt + row.answer == original            # the answer, cut before its object
         assert row.answer == " " + row.object + "."          # the rest, with its leading space
     assert list(cmp.load_facts(path).prompt) == list(facts.prompt)
+    # a file without ids gets <relation>_<k>, k counted within the relation in file order
+    facts.drop(columns="id", errors="ignore").iloc[[0, 3, 1, 4, 2]].to_csv(path, index=False)
+    assert list(cmp.load_facts(path).id) == ["capital_001", "river_001", "capital_002", "river_002", "capital_003"]
 
 
 def test_swap_subject_keeps_case():
