@@ -1994,25 +1994,38 @@ def _dpa_flat_scores(scores: dict, n: int, H: int, S: int, d_ff: int) -> np.ndar
     return np.concatenate(parts)
 
 
-def dpa_order(scores) -> np.ndarray:
-    """(N,) component indices by signed score, descending; ties broken by the lower index.
+def dpa_order(scores, *, ties: str = "random", seed: int = 0) -> np.ndarray:
+    """(N,) component indices by signed score, descending; ties in a seeded random order.
 
     Scores closer than ``DPA_RANK_RTOL`` (1e-6) times the largest |score| are tied (single
     linkage along the sorted values, as :func:`tied_ranks`): the float32 rounding of a score is
     ~1e-7 of the terms it is summed from, so two scores that differ only by the float path (another
-    machine or thread count) keep one order, the lower flat index first (edges before neurons,
-    then block, head, query, key / block, position, neuron). The sort is stable. The tolerance is
-    relative, not :func:`iglens_core.tie_tolerance`: the methods' scores live on scales from
-    probability gradients (1e-8) to activation norms (1e2), where an absolute floor would tie all or none.
+    machine or thread count) are one tie group. The tolerance is relative, not
+    :func:`iglens_core.tie_tolerance`: the methods' scores live on scales from probability
+    gradients (1e-8) to activation norms (1e2), where an absolute floor would tie all or none.
+
+    Inside a tie group, ``ties="random"`` orders the components by a fixed permutation drawn from
+    ``seed`` (numpy's PCG64: the same on every machine), so a method that leaves most components
+    unscored (0) keeps a random set of them, as the random baseline would, whichever they are;
+    ``ties="index"`` keeps the lower flat index first (edges before neurons, then block, head,
+    query, key / block, position, neuron), which hands those slots to all the edges and the early
+    blocks' neurons. The original breaks ties by an unstable bfloat16 argsort (no defined order).
 
     Args:
         scores: (N,) flat scores, e.g. edges then neurons.
+        ties: ``"random"`` or ``"index"``.
+        seed: the permutation's seed (integer >= 0), for ``ties="random"``.
     """
+    if ties not in ("random", "index"):
+        raise ValueError(f"ties must be 'random' or 'index', got {ties!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     x = np.asarray(scores, dtype=np.float64).ravel()
     order = np.argsort(-x, kind="stable")
     tolerance = DPA_RANK_RTOL * (np.abs(x).max() if x.size else 0.0)
     group = np.concatenate([[0], np.cumsum(-np.diff(x[order]) > tolerance)])
-    return order[np.lexsort((order, group))]
+    key = order if ties == "index" else np.random.default_rng(seed).permutation(x.size)[order]
+    return order[np.lexsort((key, group))]
 
 
 def _zeroed_probs(model, ids: torch.Tensor, target: int, zero: np.ndarray, layout, batch_size: Optional[int],
@@ -2040,8 +2053,8 @@ def _zeroed_probs(model, ids: torch.Tensor, target: int, zero: np.ndarray, layou
 
 @torch.no_grad()
 def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "disrupt",
-                 fractions: Optional[Sequence[float]] = None, batch_size: Optional[int] = None,
-                 memory_budget: int = DEFAULT_MEMORY_BUDGET) -> np.ndarray:
+                 fractions: Optional[Sequence[float]] = None, ties: str = "random", seed: int = 0,
+                 batch_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> np.ndarray:
     """Dual Path Attribution's component ablation for one item: relative drops in percent.
 
     Components: every attention edge (block, head, query position, key position), ablated by
@@ -2049,7 +2062,8 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
     position, neuron), ablated by setting its activation (the input of the down projection: the
     gated unit's ``act_fn(gate) * up``, which is 0 exactly when the original's ``act_fn`` output
     is) to 0. All ``N = n H S^2 + n S d_ff`` of them (edges above the diagonal included, as in the
-    original's count) are ranked together by the signed score, descending (:func:`dpa_order`).
+    original's count) are ranked together by the signed score, descending, tied scores in a seeded
+    random order (:func:`dpa_order`).
     For each fraction x, ``k = ceil(N x)``: ``"disrupt"`` zeroes the top k, ``"recover"`` all but
     the top k. The result is ``(p_base - p_x) / p_base * 100`` with p the target's probability at
     the last position (the model's own logits, soft-capping included).
@@ -2060,8 +2074,8 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
 
     Departures from the original (ablation_pipe.py, nnsight, bfloat16, batches of padded items):
     p is read from the model's final logits after Gemma's final soft-capping (the original reads
-    ``lm_head``'s output, before it); scores are float64 and ties are broken by a tolerance and
-    the flat index, not by an unstable bfloat16 argsort; the model runs in its own dtype (float32
+    ``lm_head``'s output, before it); scores are float64, equal within a tolerance and then ordered
+    by a seeded permutation, not by an unstable bfloat16 argsort; the model runs in its own dtype (float32
     here) with eager attention (required: the weights exist only there; switched back afterwards);
     under GQA an edge is a query head's weight (the original's layout, H = num_attention_heads),
     its value the shared key/value head's; sliding windows and attention soft-capping act before
@@ -2078,6 +2092,9 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
         mode: ``"disrupt"`` or ``"recover"``.
         fractions: values in [0, 1]; default :data:`DPA_FRACTIONS` (exp(-17), exp(-15.2), ...,
             exp(-0.8), 10 points).
+        ties, seed: the order of tied scores (:func:`dpa_order`); ``"random"`` with the same seed
+            for every method of an item, so methods that leave the same components unscored keep
+            the same ones.
         batch_size: rows per forward pass (>= 1), or None.
 
     Returns:
@@ -2096,7 +2113,7 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
     layout = _dpa_layout(model)
     flat = _dpa_flat_scores(scores, layout[0], layout[1], ids.shape[1], layout[2])
     rank = np.empty(flat.size, dtype=np.int64)
-    rank[dpa_order(flat)] = np.arange(flat.size)
+    rank[dpa_order(flat, ties=ties, seed=seed)] = np.arange(flat.size)
     counts = np.ceil(flat.size * fractions)  # (F,) components in the top x
     top = rank[None, :] < counts[:, None]  # (F, N)
     zero = np.concatenate([np.zeros((1, flat.size), bool), top if mode == "disrupt" else ~top])

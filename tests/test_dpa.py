@@ -68,12 +68,13 @@ def prob_by_hand(model, ids, target, **gates):
     return float(torch.softmax(logits.double(), -1)[target])
 
 
-def reference_drops(model, ids, target, edges, neurons, mode, fractions):
-    """Per fraction: rank every component by its score (descending; equal scores, e.g. zeros, in
-    index order), zero the top ceil(N x) or the rest, one unbatched forward each."""
+def reference_drops(model, ids, target, edges, neurons, mode, fractions, seed=0):
+    """Per fraction: rank every component by its score (descending; exactly equal scores, e.g.
+    zeros, in the order of the seed's permutation, dpa_ablation's default tie rule), zero the top
+    ceil(N x) or the rest, one unbatched forward each."""
     n, S = len(blocks(model)), ids.shape[1]
     flat = np.concatenate([edges.numpy().ravel(), neurons.numpy().ravel()])
-    order = np.argsort(-flat, kind="stable")
+    order = np.lexsort((np.random.default_rng(seed).permutation(flat.size), -flat))
     p_base = prob_by_hand(model, ids, target)
     drops = []
     for x in fractions:
@@ -121,26 +122,44 @@ def test_missing_scores_are_zero(case):
     only_edges = cmp.dpa_ablation(model, ids, target, {"edges": edges}, fractions=fractions)
     reference = reference_drops(model, ids, target, edges, torch.zeros_like(neurons), "disrupt", fractions)
     np.testing.assert_allclose(only_edges, reference, rtol=0, atol=1e-8)
-    # everything scored 0: the flat order is kept (edges first), and disrupt zeroes the first ones
-    tied = cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions)
-    ordered = torch.arange(edges.numel() + neurons.numel(), 0, -1, dtype=torch.float64)
-    by_index = cmp.dpa_ablation(model, ids, target, {"edges": ordered[:edges.numel()].view_as(edges),
-                                                     "neurons": ordered[edges.numel():].view_as(neurons)},
-                                fractions=fractions)
-    np.testing.assert_allclose(tied, by_index, rtol=0, atol=1e-12)
+    # everything scored 0: with ties="index" the flat order is kept (edges first) and disrupt zeroes
+    # the first ones; with ties="random" the seed's permutation decides
+    N = edges.numel() + neurons.numel()
+    for ties, seed, rank in (("index", 0, np.arange(N)), ("random", 3, np.random.default_rng(3).permutation(N))):
+        tied = cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, ties=ties, seed=seed)
+        ordered = torch.from_numpy(N - rank.astype(np.float64))  # higher score = earlier in the order
+        by_score = cmp.dpa_ablation(model, ids, target, {"edges": ordered[:edges.numel()].view_as(edges),
+                                                         "neurons": ordered[edges.numel():].view_as(neurons)},
+                                    fractions=fractions, ties=ties, seed=seed)
+        np.testing.assert_allclose(tied, by_score, rtol=0, atol=1e-12)
+    random_ties = cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, seed=3)
+    assert np.abs(random_ties - cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions,
+                                                 ties="index")).max() > 1e-6  # the tie rule matters here
 
 
-def test_order_ties_are_broken_by_index():
+@pytest.mark.parametrize("ties", ["index", "random"])
+def test_order_ties(ties):
     gen = np.random.default_rng(0)
     x = gen.permutation(1000) * 0.01 - 5.0  # spaced far beyond the tolerance (1e-6 of the largest)
     x[[10, 500, 900]] = 10.0 + np.array([1e-9, 0.0, -1e-9])  # equal within rounding
-    order = cmp.dpa_order(x)
-    assert list(order[:3]) == [10, 500, 900]
+    x[[20, 30, 40, 50]] = -20.0  # exactly equal
+    order = cmp.dpa_order(x, ties=ties, seed=5)
+    key = np.arange(1000) if ties == "index" else np.random.default_rng(5).permutation(1000)
+    assert list(order[:3]) == sorted([10, 500, 900], key=lambda i: key[i])
+    assert list(order[-4:]) == sorted([20, 30, 40, 50], key=lambda i: key[i])
     # a perturbation at the rounding level leaves the order as it is
-    np.testing.assert_array_equal(cmp.dpa_order(x * (1 + 1e-10 * gen.standard_normal(1000))), order)
+    np.testing.assert_array_equal(cmp.dpa_order(x * (1 + 1e-10 * gen.standard_normal(1000)), ties=ties, seed=5),
+                                  order)
     # distinct values: descending
-    assert (np.diff(x[order[3:]]) <= 0).all()
+    assert (np.diff(x[order[3:-4]]) < 0).all()
     assert sorted(order) == list(range(1000))
+
+
+def test_order_rejects_bad_tie_rule():
+    with pytest.raises(ValueError, match="ties must be"):
+        cmp.dpa_order(np.zeros(3), ties="first")
+    with pytest.raises(ValueError, match="seed must be"):
+        cmp.dpa_order(np.zeros(3), seed=-1)
 
 
 def test_areas_against_trapezoids_by_hand():
