@@ -77,6 +77,12 @@ import iglens_plot as igp  # noqa: E402
 PROMPT = "What is the capital of Vietnam?"
 ANSWER = "The capital of Vietnam is Hanoi."
 STORY = "Write a long story about a dragon who learns to cook."  # a greedy answer >= 64 tokens
+PASSAGE = ("France is a country in Western Europe. Its territory reaches from the Mediterranean Sea to the "
+           "English Channel and the North Sea, and from the Rhine to the Atlantic Ocean. It shares borders with "
+           "Belgium, Luxembourg, Germany, Switzerland, Italy, Monaco, Andorra and Spain. The country is divided "
+           "into regions and departments, and its largest cities include Marseille, Lyon, Toulouse, Nice and "
+           "Nantes. Its rivers include the Loire, the Rhone and the Garonne, and its highest mountain is Mont "
+           "Blanc in the Alps.")  # a context before the fact prompt, for item 14's long case
 NAIVE_CHUNK = 4096  # rows per chunk of the straightforward reference
 GiB, MiB = 2**30, 2**20
 
@@ -1063,20 +1069,24 @@ def item14_dpa(ctx) -> None:
         f"together; {F} fractions x 2 modes, each mode's {F + 1} rows in one batched forward) vs one forward per "
         f"fraction ({2 * (F + 1)} passes; drops agree to {gap:.0e} percentage points)",
         fmt_time(best["ours"]), fmt_time(best["naive"]), f"{ratio:.1f}x faster", "report", None)
-    fns = {"ig_lens": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens"),
-           "ig_lens_m4": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens", steps=4),
-           "ig_lens_gauss": lambda: cmp.dpa_scores(model, prompt, target, "ig_lens_gauss"),
-           "atp": lambda: cmp.dpa_scores(model, prompt, target, "atp")}
-    best = best_of(fns, ctx.args.repeats, ctx.device)
-    m16, m4 = fns["ig_lens"](), fns["ig_lens_m4"]()
-    drift = max(float((m16[k] - m4[k]).abs().max() / m16[k].abs().max()) for k in ("edges", "neurons"))
-    for name, label in (("ig_lens", "prediction-aware, m=16"), ("ig_lens_m4", f"prediction-aware, m=4: scores within "
-                                                                              f"{drift:.0e} of m=16's largest"),
-                        ("ig_lens_gauss", "Gauss-Legendre, m=16")):
-        ratio = best[name] / best["atp"]
-        add(f"14. IG-Lens component scores for one item ({label}; collect with sources + components "
-            f"'all', no backward) vs AtP (forward + backward, every edge and neuron)",
-            fmt_time(best[name]), fmt_time(best["atp"]), f"{ratio:.2f}x the time", "<= 0.5x", ratio <= 0.5)
+    # IG-Lens reads out one position through every segment (a fixed number of head rows), AtP's
+    # forward and backward grow with the prompt: the short fact prompt, then the same after a passage
+    long_ids = tokenizer(PASSAGE + " The capital of France is", return_tensors="pt").input_ids
+    for label, ids in (("short", prompt), ("long", long_ids)):
+        fns = {"ig_lens": lambda: cmp.dpa_scores(model, ids, target, "ig_lens"),
+               "ig_lens_m4": lambda: cmp.dpa_scores(model, ids, target, "ig_lens", steps=4),
+               "ig_lens_gauss": lambda: cmp.dpa_scores(model, ids, target, "ig_lens_gauss"),
+               "atp": lambda: cmp.dpa_scores(model, ids, target, "atp")}
+        best = best_of(fns, ctx.args.repeats, ctx.device)
+        m16, m4 = fns["ig_lens"](), fns["ig_lens_m4"]()
+        drift = max(float((m16[k] - m4[k]).abs().max() / m16[k].abs().max()) for k in ("edges", "neurons"))
+        for name, estimator in (("ig_lens", "prediction-aware, m=16"),
+                                ("ig_lens_m4", f"prediction-aware, m=4: scores within {drift:.0e} of m=16's largest"),
+                                ("ig_lens_gauss", "Gauss-Legendre, m=16")):
+            ratio = best[name] / best["atp"]
+            add(f"14. IG-Lens component scores for one item ({ids.shape[1]} tokens; {estimator}; collect with "
+                f"sources + components 'all', no backward) vs AtP (forward + backward, every edge and neuron)",
+                fmt_time(best[name]), fmt_time(best["atp"]), f"{ratio:.2f}x the time", "<= 0.5x", ratio <= 0.5)
 
 
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
