@@ -2000,7 +2000,9 @@ def dpa_order(scores, *, ties: str = "random", seed: int = 0) -> np.ndarray:
     Scores closer than ``DPA_RANK_RTOL`` (1e-6) times the largest |score| are tied (single
     linkage along the sorted values, as :func:`tied_ranks`): the float32 rounding of a score is
     ~1e-7 of the terms it is summed from, so two scores that differ only by the float path (another
-    machine or thread count) are one tie group. The tolerance is relative, not
+    machine or thread count) are one tie group. A score summed from terms much larger than itself
+    (a gradient with cancellation) can round by more and still swap with a neighbour: between 1 and
+    2 threads that moved notebook 10's full-run areas by up to 0.2. The tolerance is relative, not
     :func:`iglens_core.tie_tolerance`: the methods' scores live on scales from probability
     gradients (1e-8) to activation norms (1e2), where an absolute floor would tie all or none.
 
