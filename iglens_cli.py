@@ -17,8 +17,9 @@ import torch
 
 from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, collect, collect_components,
                          components, ig_lens, load_model)
-from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, attribution_from_frame, encode, parts_path
-from iglens_plot import _html_path, format_table, to_html
+from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, encode
+from iglens_tables import attribution_from_frame, parts_path
+from iglens_plot import check_html_path, format_table, to_html
 
 
 def _positive_int(text: str) -> int:
@@ -107,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dataset is not None:
         return _main_dataset(args)
     try:
-        html_path = _html_path(args.html) if args.html else None  # a bad path fails before the work
+        html_path = check_html_path(args.html) if args.html else None  # a bad path fails before the work
         model, tokenizer = load_model(args.model)
         input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
                                        chat=not args.no_chat, max_new_tokens=args.max_new_tokens)

@@ -3,11 +3,13 @@
 The method and only the method, in reading order: 1. model loading, 2. architecture adapters,
 3. the collector (one forward pass -> ``Trace``), 4. the head-once ``Readout``, 5. the integrator
 and its estimators (``ig_lens`` -> ``Attribution``) and the split into heads, neurons and source
-positions (``components`` -> ``Components``). Beside it, importing it: ``iglens_data.py``
-(inputs, datasets at scale), ``iglens_plot.py`` (figures, interactive view), ``iglens_cli.py``
-(the ``iglens`` command), ``iglens_compare.py`` (DLA, tuned lens, captum, ablation, patching,
-causal tracing, rank metrics). Shapes: ``T`` predicting positions, ``n`` blocks, ``d`` hidden
-size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
+positions (``components`` -> ``Components``). Beside it, importing it (README, "Where things
+are"): datasets at scale (``iglens_data``), figures and views (``iglens_plot``), the ``iglens``
+command (``iglens_cli``), the other attribution methods (``iglens_baselines``), causal
+interventions (``iglens_causal``), DPA's benchmark (``iglens_dpa``), statistics (``iglens_stats``)
+and fact tables (``iglens_facts``); they use only this module's public names. Shapes: ``T``
+predicting positions, ``n`` blocks, ``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m``
+steps per segment.
 
 The method: the residual stream of token ``t`` moves along ``h_base -> h_L1 -> ... -> h_n``; the
 readout ``f(h) = softmax(head(norm(h)))[y_t]`` maps any point to the target's probability.
@@ -88,7 +90,8 @@ PACKAGED_MODELS: dict[str, Callable[[], Path]] = {
 }
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
+    """Silence transformers' logging below errors (notebooks compare their outputs)."""
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -109,7 +112,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         out_dir: folder to write ``config.json``, ``model.safetensors`` and the tokenizer to.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    _quiet_transformers()
+    quiet_transformers()
     gguf_path = Path(gguf_path)
     kwargs = dict(gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
@@ -180,7 +183,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: Optional[str] = None,
         raise ValueError("device='meta' gives a model without weights (shapes only), on which nothing "
                          "can be computed: use 'cpu' or 'cuda', or device_map='auto' to offload")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    _quiet_transformers()
+    quiet_transformers()
     path = resolve_model_path(name)
     offline = dict(local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, **offline)
@@ -227,8 +230,7 @@ class Adapter:
 
 def check_model(model) -> None:
     """Raise a ValueError unless ``model`` is a loaded ``nn.Module`` whose weights are not on ``meta``
-    (shapes only) without accelerate's offloading hooks.
-    """
+    (shapes only) without accelerate's offloading hooks."""
     if not isinstance(model, nn.Module):
         hint = f"; load it first: model, tokenizer = ig.load_model({model!r})" if isinstance(model, str) else ""
         raise ValueError(f"model must be a loaded torch model (torch.nn.Module), got "
@@ -462,8 +464,7 @@ def _readout_value(logits: torch.Tensor, index: torch.Tensor, quantity: str) -> 
     """(...) ``p(y)``, ``log p(y)``, ``p(y) - p(foil)`` or ``log p(y) - log p(foil)`` (read as the logit
     difference ``z_y - z_foil``) from logits (..., V) and ``index`` (..., 1) target or (..., 2) target
     and foil. ``log_softmax`` + gather is the fastest here (bench.py); in float32 at V = 49152 it
-    rounds up to 7e-6 in probability against float64.
-    """
+    rounds up to 7e-6 in probability against float64."""
     if quantity == "logprob" and index.shape[-1] == 2:
         picked = logits.gather(-1, index)
     else:
@@ -474,8 +475,7 @@ def _readout_value(logits: torch.Tensor, index: torch.Tensor, quantity: str) -> 
 
 def _readout_slope(probs: torch.Tensor, index: torch.Tensor, quantity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``df/dz = sum_k w_k e_(index_k) - c p`` as ``(w (..., K), c (..., 1))`` from ``probs`` (..., V):
-    ``p(y)``: ``p_y (e_y - p)``; ``log p(y)``: ``e_y - p``; a foil subtracts its own term.
-    """
+    ``p(y)``: ``p_y (e_y - p)``; ``log p(y)``: ``e_y - p``; a foil subtracts its own term."""
     signs = torch.tensor([1.0, -1.0][:index.shape[-1]], dtype=probs.dtype, device=probs.device)
     weights = probs.gather(-1, index) if quantity == "prob" else torch.ones(index.shape, dtype=probs.dtype,
                                                                              device=probs.device)
@@ -493,12 +493,14 @@ def _readout_tangent(probs: torch.Tensor, tangent: torch.Tensor, index: torch.Te
     return (weights * tangent.gather(-1, index)).sum(-1) - total[..., 0] * tangent.mul_(probs).sum(-1)
 
 
-def _check_quantity(quantity) -> None:
+def check_quantity(quantity) -> None:
+    """Raise a ValueError unless ``quantity`` is one of :data:`QUANTITIES`."""
     if quantity not in QUANTITIES:
         raise ValueError(f"quantity must be one of {QUANTITIES}, got {quantity!r}")
 
 
-def _context_length(model: nn.Module) -> Optional[int]:
+def context_length(model: nn.Module) -> Optional[int]:
+    """The model's context length from its config (None where the config does not say)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx")) if config is not None else None
@@ -554,15 +556,22 @@ def precision(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _hidden_arg(args, kwargs):
+def hidden_arg(args, kwargs):
+    """The hidden state a block's forward pre-hook (``with_kwargs=True``) receives."""
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _first_output(output):
+def first_output(output):
+    """The hidden state in a block's output (blocks return a tensor or a tuple)."""
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
+def replace_first(output, tensor):
+    """A block's output with its hidden state replaced by ``tensor``."""
+    return (tensor,) + tuple(output[1:]) if isinstance(output, (tuple, list)) else tensor
+
+
+def check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
     """Validate one sequence for the collector; returns it as (1, L) long."""
     check_model(model)
     input_ids = torch.as_tensor(input_ids)
@@ -582,35 +591,33 @@ def _check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
             or not 1 <= prompt_len <= length - 1):
         raise ValueError(f"prompt_len must be in 1..{length - 1} (sequence length {length}), an "
                          f"integer, got {prompt_len!r}")
-    context = _context_length(model)
+    context = context_length(model)
     if context is not None and length > context:
         raise ValueError(f"sequence of {length} tokens is longer than the model's context of "
                          f"{context}")
     return input_ids
 
 
-def _logits_at_end(model, keep: int, **inputs) -> torch.Tensor:
+def logits_at_end(model, keep: int, **inputs) -> torch.Tensor:
     """(B, keep, V) logits at the last ``keep`` columns, via ``logits_to_keep`` where the forward takes
-    it (at V = 262144, 16 x 60 tokens of logits are 1 GB).
-    """
+    it (at V = 262144, 16 x 60 tokens of logits are 1 GB)."""
     import inspect
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         return model(**inputs, use_cache=False, logits_to_keep=keep).logits
     return model(**inputs, use_cache=False).logits[:, -keep:]
 
 
-def _stream_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None],
-                  keep_mid: Optional[Callable[[int, torch.Tensor], None]] = None) -> list:
+def stream_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None],
+                 keep_mid: Optional[Callable[[int, torch.Tensor], None]] = None) -> list:
     """Hooks handing the residual stream (B, L, d) to ``keep(index, tensor)``: index 0 the input of
     block 1, L the output of block L, n the input of the final norm; ``keep_mid(layer, tensor)`` the
-    residual between attention and MLP of block ``layer + 1``.
-    """
+    residual between attention and MLP of block ``layer + 1``."""
     n = adapter.n_layers
     hooks = [adapter.blocks[0].register_forward_pre_hook(
-        lambda mod, args, kwargs: keep(0, _hidden_arg(args, kwargs)), with_kwargs=True)]
+        lambda mod, args, kwargs: keep(0, hidden_arg(args, kwargs)), with_kwargs=True)]
     for layer, block in enumerate(adapter.blocks[:-1], start=1):
         hooks.append(block.register_forward_hook(
-            lambda mod, args, out, layer=layer: keep(layer, _first_output(out))))
+            lambda mod, args, out, layer=layer: keep(layer, first_output(out))))
     hooks.append(adapter.norm.register_forward_pre_hook(lambda mod, args: keep(n, args[0])))
     if keep_mid is not None:
         hooks += _mid_hooks(adapter, keep_mid)
@@ -626,7 +633,7 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
         input_ids: (1, L) or (L,); prompt_len: first answer position, in ``1..L-1``.
         sublayer: also record the residual between attention and MLP of each block.
     """
-    input_ids = _check_sequence(model, input_ids, prompt_len)
+    input_ids = check_sequence(model, input_ids, prompt_len)
     length = input_ids.shape[1]
     adapter = get_adapter(model)
     n = adapter.n_layers
@@ -638,11 +645,11 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
     def keep(store, index, tensor):
         store[index] = tensor[0, positions.to(tensor.device)].detach().to(precision(tensor.dtype)).cpu()
 
-    hooks = _stream_hooks(adapter, lambda index, tensor: keep(stream, index, tensor),
+    hooks = stream_hooks(adapter, lambda index, tensor: keep(stream, index, tensor),
                           (lambda layer, tensor: keep(mids, layer, tensor)) if sublayer else None)
     try:
         # positions are the last T + 1 columns but the very last: the head runs on T + 1 rows
-        logits = _logits_at_end(model, len(positions) + 1, input_ids=input_ids.to(device))[0, :-1]
+        logits = logits_at_end(model, len(positions) + 1, input_ids=input_ids.to(device))[0, :-1]
     finally:
         for hook in hooks:
             hook.remove()
@@ -665,10 +672,10 @@ def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> l
             # point is block input + attention output, built from the block's parts.
             inputs = {}
             hooks.append(block.register_forward_pre_hook(
-                lambda mod, args, kwargs, layer=layer: inputs.__setitem__(layer, _hidden_arg(args, kwargs)),
+                lambda mod, args, kwargs, layer=layer: inputs.__setitem__(layer, hidden_arg(args, kwargs)),
                 with_kwargs=True))
             hooks.append(block.attention.register_forward_hook(
-                lambda mod, args, out, layer=layer: keep(layer, inputs[layer] + _first_output(out))))
+                lambda mod, args, out, layer=layer: keep(layer, inputs[layer] + first_output(out))))
             continue
         mlp_norm = _first_attr(block, _MLP_NORMS)
         if mlp_norm is None:
@@ -687,12 +694,22 @@ _OUT_PROJS = ("o_proj", "c_proj", "dense", "out_proj")
 _DOWN_PROJS = ("down_proj", "c_proj", "dense_4h_to_h", "fc2")
 
 
-def _projection(block: nn.Module, sublayer: str) -> tuple[nn.Module, Optional[nn.Module]]:
+def sublayer_module(block: nn.Module, sublayer: Optional[str]) -> nn.Module:
+    """A block's attention (``"attn"``) or MLP (``"mlp"``) module; the block itself for None."""
+    if sublayer is None:
+        return block
+    names = _ATTENTIONS if sublayer == "attn" else _MLPS
+    module = _first_attr(block, names)
+    if module is None:
+        raise ValueError(f"cannot find the {sublayer} module of block {type(block).__name__} (looked for {names})")
+    return module
+
+
+def sublayer_projection(block: nn.Module, sublayer: str) -> tuple[nn.Module, Optional[nn.Module]]:
     """The output projection of a block's ``"attn"`` or ``"mlp"`` sublayer, and the norm that acts
     on the sublayer's output before the residual add (Gemma 2/3), or None."""
-    outer = _first_attr(block, _ATTENTIONS if sublayer == "attn" else _MLPS)
     names = _OUT_PROJS if sublayer == "attn" else _DOWN_PROJS
-    proj = _first_attr(outer, names) if outer is not None else None
+    proj = _first_attr(sublayer_module(block, sublayer), names)
     if proj is None or not isinstance(getattr(proj, "weight", None), torch.Tensor):
         raise ValueError(f"cannot find the {sublayer} output projection of block "
                          f"{type(block).__name__} (looked for {names})")
@@ -703,7 +720,7 @@ def _projection(block: nn.Module, sublayer: str) -> tuple[nn.Module, Optional[nn
     return proj, post
 
 
-def _projection_weight(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def projection_weight(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(W (d, P), bias (d,) or None)`` with ``proj(x) = W x + bias``; GPT-2's Conv1D stores W^T."""
     weight = proj.weight.detach()
     if not isinstance(proj, nn.Linear) and type(proj).__name__ == "Conv1D":
@@ -712,7 +729,7 @@ def _projection_weight(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Te
     return weight, (bias.detach() if isinstance(bias, torch.Tensor) else None)
 
 
-def _head_counts(model) -> tuple[int, int]:
+def head_counts(model) -> tuple[int, int]:
     """``(H, H_kv)``: attention heads and key/value heads per block, from the model's config."""
     config = getattr(model.config, "text_config", None) or model.config
     heads = _first_attr(config, ("num_attention_heads", "n_head"))
@@ -736,7 +753,7 @@ def _value_reader(attention: nn.Module, heads: int, kv_heads: int) -> tuple[nn.M
 
 
 @contextmanager
-def _eager_attention(model):
+def eager_attention(model):
     """Run the model's attention in its eager implementation, which returns the probabilities."""
     before = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if before in (None, "eager") or not hasattr(model, "set_attn_implementation"):
@@ -749,7 +766,7 @@ def _eager_attention(model):
         model.set_attn_implementation(before)
 
 
-def _head_values(trace: Trace, layer: int) -> torch.Tensor:
+def head_values(trace: Trace, layer: int) -> torch.Tensor:
     """(S, H, head_dim) float64: the value vectors each head of block ``layer + 1`` reads (GQA:
     head h reads key/value head ``h // (H / H_kv)``, as the model's ``repeat_kv``)."""
     values, heads = trace.values[layer].double(), trace.patterns.shape[2]  # (S, H_kv, hd)
@@ -761,7 +778,7 @@ def _check_patterns(trace: Trace) -> None:
     the recorded ones (``trace.heads``): else the values were cut out of the wrong place."""
     for layer in range(trace.n_layers):
         rebuilt = torch.einsum("ths,shd->thd", trace.patterns[layer].double(),
-                               _head_values(trace, layer)).flatten(1)
+                               head_values(trace, layer)).flatten(1)
         recorded = trace.heads[layer].double()  # (T, H * hd)
         gap = float((rebuilt - recorded).norm() / recorded.norm().clamp_min(1e-12))
         if gap > 1e-2:
@@ -780,9 +797,8 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int, *, sourc
     With ``sources=True`` the pass runs eager attention (switched back afterwards) and also records
     ``patterns`` (n, T, H, S) and ``values`` (n, S, H_kv, head_dim); they must rebuild the recorded
     head outputs, ``z_h(t) = sum_s A_h(t, s) v_h(s)``, or a ValueError says the architecture is not
-    supported.
-    """
-    input_ids = _check_sequence(model, input_ids, prompt_len)
+    supported."""
+    input_ids = check_sequence(model, input_ids, prompt_len)
     adapter = get_adapter(model)
     n = adapter.n_layers
     positions = torch.arange(prompt_len - 1, input_ids.shape[1] - 1)
@@ -817,13 +833,13 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int, *, sourc
     try:
         for layer, block in enumerate(adapter.blocks):
             for sublayer, store in (("attn", heads), ("mlp", neurons)):
-                hooks.append(_projection(block, sublayer)[0].register_forward_pre_hook(keeper(store, layer)))
+                hooks.append(sublayer_projection(block, sublayer)[0].register_forward_pre_hook(keeper(store, layer)))
             if sources:
-                attention = _first_attr(block, _ATTENTIONS)
-                module, cut = _value_reader(attention, *_head_counts(model))
+                attention = sublayer_module(block, "attn")
+                module, cut = _value_reader(attention, *head_counts(model))
                 hooks.append(attention.register_forward_hook(pattern_keeper(layer)))
                 hooks.append(module.register_forward_hook(value_keeper(layer, cut)))
-        with _eager_attention(model) if sources else nullcontext():
+        with eager_attention(model) if sources else nullcontext():
             trace = collect(model, input_ids, prompt_len, sublayer=True)
     finally:
         for hook in hooks:
@@ -844,8 +860,7 @@ class Readout:
 
     No attention, no MLP: any number of points stack into one batch, processed in chunks whose
     (rows, V) logits stay within ``memory_budget`` bytes. ``norm``, ``head``: overrides for
-    unrecognised architectures.
-    """
+    unrecognised architectures."""
 
     def __init__(self, model, *, norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None,
                  memory_budget: int = DEFAULT_MEMORY_BUDGET):
@@ -905,7 +920,7 @@ class Readout:
         ``"logprob"`` (log p(y) in nats, or the logit difference z_y - z_foil). Working precision, on the
         input's device.
         """
-        _check_quantity(quantity)
+        check_quantity(quantity)
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1])
         index = self._index(targets, foils, shape)  # (rows, K)
@@ -924,7 +939,7 @@ class Readout:
         logits' tangent ``dz`` along ``direction`` against ``df/dz`` (:func:`_readout_slope`). Arguments
         as :meth:`__call__`, ``direction`` (..., d).
         """
-        _check_quantity(quantity)
+        check_quantity(quantity)
         shape = hidden.shape[:-1]
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.norm_device, self.dtype)
         dirs = torch.broadcast_to(direction, hidden.shape).reshape(rows.shape).to(rows)
@@ -1145,7 +1160,7 @@ class Readout:
         Returns:
             ``(values (K, T, m') or (K, T, d), lens (K+1, T))``, working precision.
         """
-        _check_quantity(quantity)
+        check_quantity(quantity)
         K, T, d = nodes.shape[0] - 1, nodes.shape[1], nodes.shape[2]
         work = precision(self.dtype)
         alphas = torch.as_tensor(alphas).to(self.device, work)
@@ -1233,7 +1248,7 @@ class Readout:
 # ---------------------------------------------------------------------------
 
 # -- ranks without rounding: float32 scores differ by machine in their last bits, so every rank,
-# arg-max, top-k and threshold crossing (here and in iglens_compare.py) uses tie_tolerance
+# arg-max, top-k and threshold crossing (here and in iglens_stats.py) uses tie_tolerance
 RANK_ATOL = 1e-5  # in the score's own units (probability, logit, restoration ratio)
 RANK_RTOL = 1e-4  # of the row's range max - min
 
@@ -1260,12 +1275,9 @@ def quadrature(estimator: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     m = steps
     s = torch.arange(m, dtype=torch.float64)
-    if estimator == "riemann_left":
-        return s / m, torch.full((m,), 1.0 / m, dtype=torch.float64)
-    if estimator == "riemann_right":
-        return (s + 1) / m, torch.full((m,), 1.0 / m, dtype=torch.float64)
-    if estimator == "riemann_mid":
-        return (s + 0.5) / m, torch.full((m,), 1.0 / m, dtype=torch.float64)
+    shifts = {"riemann_left": 0.0, "riemann_right": 1.0, "riemann_mid": 0.5}
+    if estimator in shifts:
+        return (s + shifts[estimator]) / m, torch.full((m,), 1.0 / m, dtype=torch.float64)
     if estimator == "trapezoid":
         weights = torch.full((m + 1,), 1.0 / m, dtype=torch.float64)
         weights[[0, -1]] /= 2
@@ -1276,7 +1288,7 @@ def quadrature(estimator: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
 
 
-def _check_steps(readout: Readout, steps: int, estimator: str, profile: bool) -> None:
+def check_steps(readout: Readout, steps: int, estimator: str, profile: bool) -> None:
     """Bound ``steps`` so that one token's grid on one segment fits the readout's memory budget.
 
     The grid of a segment (``m'`` points, each a (V,) row of logits and ~3 temporaries) is the
@@ -1435,8 +1447,8 @@ def check_layers(layers: Optional[Sequence[int]], n_layers: int) -> list[int]:
     return layers if layers[-1] == n_layers else layers + [n_layers]
 
 
-def _baseline(baseline, trace: Trace) -> tuple[torch.Tensor, str]:
-    """(T, d) baseline points and their name."""
+def resolve_baseline(baseline, trace: Trace) -> tuple[torch.Tensor, str]:
+    """(T, d) baseline points and their name, for a name of :data:`BASELINES` or a tensor; else ValueError."""
     start = trace.hidden[0]
     if isinstance(baseline, str):
         if baseline == "embedding":
@@ -1511,17 +1523,17 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    _check_quantity(quantity)
+    check_quantity(quantity)
     readout = readout or Readout(model)
     _check_trace(readout, trace)
     check_same_model(model, trace, readout)
-    _check_steps(readout, steps, estimator, profile)
+    check_steps(readout, steps, estimator, profile)
     foils = check_foil(foil, trace.targets, readout.vocab_size)
     spec = dict(foils=foils, quantity=quantity)
     layers = check_layers(layers, trace.n_layers)
     if not torch.isfinite(trace.hidden).all():
         raise ValueError("trace.hidden contains NaN or inf")
-    base, base_name = _baseline(baseline, trace)
+    base, base_name = resolve_baseline(baseline, trace)
     ends, layers, labels = path_nodes(trace, layers, resolution)
     work = readout.dtype
     nodes = torch.cat([base[None], ends]).to(work)  # (K+1, T, d)
@@ -1600,7 +1612,7 @@ def _source_terms(trace: Trace, layer: int, back: torch.Tensor, memory_budget: i
     two (tokens, H, S) float64 temporaries fit ``memory_budget``."""
     patterns = trace.patterns[layer]  # (T, H, S)
     T, H, S = patterns.shape
-    values, back = _head_values(trace, layer), back.view(T, H, -1)  # (S, H, hd), (T, H, hd)
+    values, back = head_values(trace, layer), back.view(T, H, -1)  # (S, H, hd), (T, H, hd)
     out = torch.empty(T, H, S, dtype=torch.float64)
     step = max(1, memory_budget // (2 * 8 * H * S))
     for t0 in range(0, T, step):
@@ -1637,11 +1649,11 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *
     vectors = vectors.expand(n, *vectors.shape[-2:]) if vectors.dim() == 2 else vectors
     if vectors.shape[:2] != (n, T):
         raise ValueError(f"vectors must have shape ({n}, {T}, d) or ({T}, d), got {tuple(vectors.shape)}")
-    groups = _head_counts(model)[0] if sublayer == "attn" else acts.shape[-1]
+    groups = head_counts(model)[0] if sublayer == "attn" else acts.shape[-1]
     terms, increments, per_source = [], [], []
     for layer, block in enumerate(adapter.blocks):
-        proj, post = _projection(block, sublayer)
-        weight, bias = _projection_weight(proj)
+        proj, post = sublayer_projection(block, sublayer)
+        weight, bias = projection_weight(proj)
         weight = weight.double().cpu()  # (d, P)
         bias = bias.double().cpu() if bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
         act = acts[layer].double()  # (T, P)
@@ -1739,7 +1751,7 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    _check_quantity(quantity)
+    check_quantity(quantity)
     wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons"),
               "source": ("heads", "patterns"), "all": ("heads", "neurons", "patterns")}[resolution]
     missing = [name for name in ("mid",) + wanted if getattr(trace, name) is None]

@@ -1,21 +1,20 @@
-"""IG-Lens inputs and datasets: prompts and answers, and many prompts in one call, batched,
-resumable, on one process or many.
+"""IG-Lens on many prompts: prompts and answers as token ids, batches, and datasets at scale.
 
 The method lives in :mod:`iglens_core`; this module imports it and holds what feeding it needs:
 :func:`encode` (a prompt and its answer, teacher-forced or the model's greedy one, as token ids),
 :func:`token_span` (where a word sits in an answer), :func:`collect_batch` (the collector over many
-sequences in batches), reading the input file, greedy answers in batches, :func:`ig_lens_batch` (one readout pass
-for a whole batch), parquet shards written atomically, ``resume``, and the split of items over the
-ranks of ``torchrun`` / ``accelerate``. :func:`attribute_dataset` is the entry point; the command
-line's ``--dataset`` calls it. With ``resolution=`` it also writes a long table of each item's top
-parts (heads, neurons or (head, source token) pairs) and their sums, :func:`parts_path`.
+sequences in batches), greedy answers in batches, :func:`ig_lens_batch` (one readout pass for a
+whole batch), ``resume``, and the split of items over the ranks of ``torchrun`` / ``accelerate``.
+:func:`attribute_dataset` is the entry point; the command line's ``--dataset`` calls it. With
+``resolution=`` it also writes a long table of each item's top parts (heads, neurons or (head,
+source token) pairs) and their sums. Reading the input file and writing the shards is
+:mod:`iglens_tables`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,10 +23,12 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from iglens_core import (ESTIMATORS, Attribution, Components, Readout, Trace, _baseline, _check_quantity,
-                         _check_sequence, _check_steps, _context_length, _logits_at_end, _stream_hooks,
-                         check_foil, check_layers, collect_components, components, get_adapter, ig_lens,
-                         model_fingerprint, precision, tie_tolerance)
+from iglens_core import (ESTIMATORS, Attribution, Components, Readout, Trace, check_foil, check_layers,
+                         check_quantity, check_sequence, check_steps, collect_components, components,
+                         context_length, get_adapter, ig_lens, logits_at_end, model_fingerprint, precision,
+                         resolve_baseline, stream_hooks, tie_tolerance)
+import iglens_tables as igt
+from iglens_stats import top_parts
 
 
 # ---------------------------------------------------------------------------
@@ -45,7 +46,7 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def _as_ids(encoded) -> list[int]:
+def as_ids(encoded) -> list[int]:
     # transformers 5.x returns a mapping from apply_chat_template; 4.x a list
     if hasattr(encoded, "keys"):
         encoded = encoded["input_ids"]
@@ -74,7 +75,7 @@ def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
         raise ValueError(f"prompt must be a non-empty string, got {type(prompt).__name__} {prompt!r}")
     if answer is not None and (not isinstance(answer, str) or not answer.strip()):
         raise ValueError(f"answer must be a non-empty string or None (greedy), got {answer!r}")
-    prompt_ids = _prompt_ids(tokenizer, prompt, chat)
+    prompt_ids = prompt_token_ids(tokenizer, prompt, chat)
     if answer is not None:
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
         if not answer_ids:
@@ -89,12 +90,12 @@ def encode(tokenizer, prompt: str, answer: Optional[str] = None, *, model=None,
     return input_ids, len(prompt_ids)
 
 
-def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+def prompt_token_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     """Token ids of the prompt: the chat template's user turn and generation prompt, or raw
     text with the tokenizer's BOS (restored when the tokenizer forgets it)."""
     if chat and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}]
-        return _as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        return as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True))
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     bos = tokenizer.bos_token_id
@@ -168,7 +169,7 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    checked = [(_check_sequence(model, ids, prompt_len), int(prompt_len))
+    checked = [(check_sequence(model, ids, prompt_len), int(prompt_len))
                for ids, prompt_len in sequences]
     adapter = get_adapter(model)
     n = adapter.n_layers
@@ -190,11 +191,11 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
         keep = max(checked[i][0].shape[1] - checked[i][1] for i in chunk) + 1
         stream: list[Optional[torch.Tensor]] = [None] * (n + 1)
         mids: list[Optional[torch.Tensor]] = [None] * n
-        hooks = _stream_hooks(adapter, lambda index, tensor: stream.__setitem__(index, tensor.detach()),
+        hooks = stream_hooks(adapter, lambda index, tensor: stream.__setitem__(index, tensor.detach()),
                               (lambda layer, tensor: mids.__setitem__(layer, tensor.detach()))
                               if sublayer else None)
         try:
-            logits = _logits_at_end(model, keep, input_ids=input_ids.to(device),
+            logits = logits_at_end(model, keep, input_ids=input_ids.to(device),
                                     attention_mask=mask.to(device), position_ids=position_ids.to(device))
         finally:
             for hook in hooks:
@@ -257,7 +258,7 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
                            for foil, trace in zip(foils, traces)])
     if isinstance(baseline, str) and baseline == "mean":  # per trace, then joined: (sum T, d)
         baseline_name = "mean"
-        baseline = torch.cat([_baseline("mean", trace)[0] for trace in traces])
+        baseline = torch.cat([resolve_baseline("mean", trace)[0] for trace in traces])
     else:
         baseline_name = None
     sizes = [len(trace.targets) for trace in traces]
@@ -300,7 +301,7 @@ def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_ne
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer)
     pad = stops[0] if stops else (tokenizer.pad_token_id or 0)
-    context = _context_length(model)
+    context = context_length(model)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
@@ -320,111 +321,6 @@ def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_ne
             cut = next((k for k, tok in enumerate(new) if tok in stops), len(new))
             answers[i] = new[:cut]
     return answers
-
-
-DATASET_FORMATS = (".csv", ".tsv", ".json", ".jsonl", ".parquet")
-
-
-def _read_table(path: Path):
-    """The file at ``path`` as a DataFrame of its columns, read by its extension (see
-    :data:`DATASET_FORMATS`); text formats must be UTF-8. Every failure is a ValueError naming
-    the file."""
-    import io
-    import json
-    import pandas as pd
-    suffix = path.suffix.lower()
-    if suffix not in DATASET_FORMATS:
-        raise ValueError(f"dataset {str(path)!r}: unknown extension {path.suffix!r}, expected one of "
-                         f"{', '.join(DATASET_FORMATS)}")
-    if suffix == ".parquet":
-        try:
-            return pd.read_parquet(path)
-        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
-            raise ValueError(f"dataset {str(path)!r} is not a readable parquet file: {err}") from None
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")  # a byte-order mark is allowed
-    except UnicodeDecodeError as err:
-        raise ValueError(f"dataset {str(path)!r} is not UTF-8: byte {raw[err.start]:#04x} at offset "
-                         f"{err.start} (e.g. Latin-1); re-save it as UTF-8") from None
-    if not text.strip():
-        raise ValueError(f"dataset {str(path)!r} is empty")
-    if suffix in (".csv", ".tsv"):
-        try:
-            return pd.read_csv(io.StringIO(text), sep="," if suffix == ".csv" else "\t", dtype=str,
-                               keep_default_na=False)
-        except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
-            raise ValueError(f"dataset {str(path)!r} is not valid {suffix[1:].upper()}: {err}") from None
-    try:
-        records = (json.loads(text) if suffix == ".json"
-                   else [json.loads(line) for line in text.splitlines() if line.strip()])
-    except json.JSONDecodeError as err:
-        raise ValueError(f"dataset {str(path)!r} is not valid {'JSON' if suffix == '.json' else 'JSON Lines'}: "
-                         f"{err}") from None
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        found = type(records).__name__ if not isinstance(records, list) else "a list holding non-objects"
-        raise ValueError(f"dataset {str(path)!r} must hold a list of records (JSON objects, one per "
-                         f"item{'' if suffix == '.json' else ', one per line'}), found {found}")
-    return pd.DataFrame.from_records(records)
-
-
-def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[str] = None,
-               id_column: Optional[str] = None, foil_column: Optional[str] = None) -> "pd.DataFrame":
-    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``, ``foil``.
-
-    The answer text is used exactly as given: it is tokenised on its own (no space added or
-    stripped) and appended to the prompt's tokens. With the chat template the answer starts the
-    assistant's turn, where a bare word (``Paris``) is the natural form; for raw-text prompts
-    (``chat=False``, ``--no-chat``) a continuation word usually needs its leading space
-    (`` Paris``), since ``"Paris"`` and ``" Paris"`` are different tokens. A fact file whose
-    object column lacks the space must add it itself if that is the continuation it means.
-
-    Args:
-        items: a path to a ``.csv``, ``.tsv``, ``.json`` (a list of records), ``.jsonl`` (one
-            record a line) or ``.parquet`` file (text files UTF-8), or a DataFrame / dict of
-            columns. It needs a prompt column; an answer column is optional (empty, null or NaN:
-            the model's greedy answer), and so is an id column (default: the row number).
-            Other columns are ignored.
-        prompt_column: the name of the prompt column.
-        answer_column: the name of the answer column; None: ``answer`` if there is one. A name
-            given must exist.
-        id_column: the name of the id column; None: ``id`` if there is one. A name given must exist.
-        foil_column: the name of an optional foil column (one token's text, e.g. `` Lyon``;
-            empty: no foil); None: ``foil`` if there is one. A name given must exist.
-
-    Returns:
-        A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
-        ``answer`` (str, or None for greedy), ``foil`` (str, or None).
-
-    Raises:
-        ValueError: an unknown extension, a file that is not UTF-8 or does not parse, a missing
-            column, no rows, or repeated ids; each names the file and what it found.
-    """
-    import pandas as pd
-    source = f"dataset {str(items)!r}" if isinstance(items, (str, Path)) else "the dataset"
-    frame = _read_table(Path(items)) if isinstance(items, (str, Path)) else pd.DataFrame(items)
-    if len(frame) == 0:
-        raise ValueError(f"{source} has no rows (columns {list(frame.columns)})")
-    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column, "foil": foil_column}
-    for role, column in named.items():
-        if column is not None and column not in frame.columns:
-            flag = f"--{role}-column / {role}_column="
-            raise ValueError(f"{source} needs {'an' if role == 'answer' else 'a'} {role} column {column!r} ({flag} names another), "
-                             f"got columns {list(frame.columns)}")
-    answer_column = answer_column or ("answer" if "answer" in frame.columns else None)
-    id_column = id_column or ("id" if "id" in frame.columns else None)
-    ids = [str(i) for i in (frame[id_column] if id_column else range(len(frame)))]
-    repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
-    if repeated:
-        raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
-    foil_column = foil_column or ("foil" if "foil" in frame.columns else None)
-    answers = frame[answer_column] if answer_column else [None] * len(frame)
-    foils = frame[foil_column] if foil_column else [None] * len(frame)
-    blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
-    return pd.DataFrame(dict(row=range(len(frame)), id=ids,
-                             prompt=["" if blank(p) else str(p) for p in frame[prompt_column]],
-                             answer=[None if blank(a) else str(a) for a in answers],
-                             foil=[None if blank(f) else str(f) for f in foils]))
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -450,107 +346,6 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _write_shard(frame, path: Path) -> None:
-    """Write one parquet shard atomically: a temporary file, renamed (a kill leaves no half shard)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    frame.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def _read_shards(parts: Path, kind: str, prefix: str = ""):
-    """All ``kind`` ("results" or "errors") shards whose name starts with ``prefix``, or None."""
-    import pandas as pd
-    files = sorted(parts.glob(f"{prefix}*.{kind}.parquet"))
-    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else None
-
-
-def _tables(results, errors, pieces=None):
-    """Results, errors and parts frames (None: empty), without the shard column, in input order."""
-    import pandas as pd
-    results = results if results is not None else pd.DataFrame(columns=_RESULT_COLUMNS)
-    errors = errors if errors is not None else pd.DataFrame(columns=["row", "id", "error"])
-    pieces = pieces if pieces is not None else pd.DataFrame(columns=_PART_COLUMNS)
-    results = results.drop(columns="shard", errors="ignore").sort_values(["row", "token_index", "segment"])
-    errors = errors.drop(columns="shard", errors="ignore").sort_values("row")
-    # an item's rows keep their written order (kind, rank) within its token
-    pieces = pieces.drop(columns="shard", errors="ignore").sort_values(["row", "token_index"], kind="stable")
-    return results.reset_index(drop=True), errors.reset_index(drop=True), pieces.reset_index(drop=True)
-
-
-def errors_path(out: Union[str, Path]) -> Path:
-    """Where :func:`attribute_dataset` writes the errors table: ``X.parquet`` -> ``X.errors.parquet``."""
-    out = Path(out)
-    return out.with_name(out.stem + ".errors" + (out.suffix or ".parquet"))
-
-
-def parts_path(out: Union[str, Path]) -> Path:
-    """Where :func:`attribute_dataset` writes the parts table: ``X.parquet`` -> ``X.components.parquet``."""
-    out = Path(out)
-    return out.with_name(out.stem + ".components" + (out.suffix or ".parquet"))
-
-
-def _merge_shards(parts: Path, out: Path, split: bool = False):
-    """Rank 0: every shard -> the final results, errors (and, ``split``, parts) files, each item
-    exactly once; the parts of an item come from the shard its results come from."""
-    results, errors = _read_shards(parts, "results"), _read_shards(parts, "errors")
-    pieces = _read_shards(parts, "components") if split else None
-    if results is not None:  # an id is in one shard only, unless two runs wrote the folder at once
-        results = results[results["shard"] == results.groupby("id")["shard"].transform("min")]
-        if pieces is not None:  # a parts shard whose results shard was never written: dropped
-            pieces = pieces.merge(results[["id", "shard"]].drop_duplicates(), on=["id", "shard"])
-    if errors is not None:
-        errors = errors.drop_duplicates("id")
-        errors = errors[~errors["id"].isin(set(results["id"]) if results is not None else set())]
-    results, errors, pieces = _tables(results, errors, pieces)
-    _write_shard(results, out)
-    _write_shard(errors, errors_path(out))
-    if split:
-        _write_shard(pieces, parts_path(out))
-    else:
-        parts_path(out).unlink(missing_ok=True)  # a stale table of an earlier run with resolution=
-    return results, errors, pieces
-
-
-_RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "layer", "label",
-                   "value", "lens_start", "lens_end", "p_base", "p_final", "delta_p", "onset",
-                   "residual", "quantity", "foil", "shard"]
-
-
-def attribution_from_frame(frame, *, estimator: str = "prediction_aware", steps: int = 16,
-                           baseline: str = "embedding") -> Attribution:
-    """One item's attribution rebuilt from its rows of a tidy table (``Attribution.to_frame``, or
-    :func:`attribute_dataset` results filtered to one ``id``), e.g. to draw it again.
-
-    The table holds tokens as text only, so ``targets`` (and ``foils``, where the table names a
-    foil) are all -1; ``quantity`` comes from the table's column (``"prob"`` without one).
-
-    Raises:
-        ValueError: rows that do not form a full (token, segment) grid of one item.
-    """
-    if "id" in frame.columns and frame["id"].nunique() > 1:
-        raise ValueError(f"frame holds {frame['id'].nunique()} items; pass the rows of one id")
-    frame = frame.sort_values(["token_index", "segment"])
-    T, K = frame["token_index"].nunique(), frame["segment"].nunique()
-    if T * K != len(frame) or T == 0:
-        raise ValueError(f"frame has {len(frame)} rows, not a full grid of {T} tokens x {K} segments")
-
-    def grid(column: str) -> torch.Tensor:  # (T, K)
-        return torch.tensor(frame[column].to_numpy(), dtype=torch.float64).view(T, K)
-
-    values, lens_end = grid("value"), grid("lens_end")
-    lens = torch.cat([grid("lens_start")[:, :1], lens_end], 1)  # (T, K+1), the baseline first
-    first = frame[frame["segment"] == frame["segment"].min()]
-    p_base = torch.tensor(first["p_base"].to_numpy(), dtype=torch.float64)
-    p_final = torch.tensor(first["p_final"].to_numpy(), dtype=torch.float64)
-    residual = float((values.sum(-1) - (p_final - p_base)).abs().max())
-    quantity = str(frame["quantity"].iloc[0]) if "quantity" in frame.columns else "prob"
-    has_foil = "foil" in frame.columns and bool(frame["foil"].notna().any())
-    return Attribution(values, [int(x) for x in frame["layer"].to_numpy()[:K]],
-                       [str(x) for x in frame["label"].to_numpy()[:K]], p_base, p_final, lens, residual,
-                       torch.full((T,), -1), torch.tensor(first["position"].to_numpy()), estimator,
-                       steps, baseline, quantity=quantity, foils=torch.full((T,), -1) if has_foil else None)
-
-
 def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foil: Optional[str]):
     frame = attribution.to_frame(tokenizer)
     frame.insert(0, "id", item_id)
@@ -563,38 +358,13 @@ def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foi
 
 
 DATASET_RESOLUTIONS = ("head", "neuron", "source")  # attribute_dataset(resolution=) and --resolution
-_PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank", "block", "head", "neuron",
-                 "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity", "foil", "shard"]
+
 
 
 def _not_zero(size: np.ndarray) -> np.ndarray:
     """(m,) bool: which sizes ``|share|`` (m,) are not tied with 0 (above the row's
-    :func:`iglens_core.tie_tolerance`, as :func:`iglens_compare.top_positive` decides)."""
+    :func:`iglens_core.tie_tolerance`, as :func:`iglens_stats.top_positive` decides)."""
     return size > tie_tolerance(size)[0]
-
-
-def top_parts(shares, k: int) -> np.ndarray:
-    """Flat indices of the ``k`` parts of largest ``|share|``, in order, never one tied with 0.
-
-    The project's tie rule, as :func:`iglens_compare.top_positive` of ``|shares|`` applies it (this
-    module may not import that one; ``tests/test_data_resolution.py`` checks that the two agree):
-    sorted values closer than :func:`iglens_core.tie_tolerance` join one group (single linkage), a
-    group's members go by the lower flat index, and a part whose ``|share|`` is within the tolerance
-    of 0 is never picked (so fewer than ``k`` come back when fewer stand out from 0).
-
-    Args:
-        shares: (...,) one token's parts, e.g. (n, H, S) sources; flattened in C order.
-        k: how many at most (>= 1).
-
-    Returns:
-        (<= k,) int64 flat indices into ``shares``.
-    """
-    size = np.abs(np.asarray(torch.as_tensor(shares, dtype=torch.float64)).reshape(-1))
-    tolerance = tie_tolerance(size)[0]
-    order = np.argsort(-size, kind="stable")  # largest first
-    group = np.concatenate([[0], np.cumsum(-np.diff(size[order]) > tolerance)])
-    top = order[np.lexsort((order, group))][:k]  # by group, then by index within a group
-    return top[size[top] > tolerance]
 
 
 def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resolution: str, top_k: int,
@@ -612,7 +382,7 @@ def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resoluti
     source_tokens = [tokenizer.decode([i]) for i in ids]
     tokens = [tokenizer.decode([i]) for i in parts.targets.tolist()]
     moved = parts.by_source().double() if resolution == "source" else None  # (T, S + 1)
-    columns = {name: [] for name in _PART_COLUMNS if name not in ("row", "id", "quantity", "foil", "shard")}
+    columns = {name: [] for name in igt.PART_COLUMNS if name not in ("row", "id", "quantity", "foil", "shard")}
 
     def add(t, kind, share, rank=None, block=None, head=None, neuron=None, source=None):
         for name, value in (("token_index", t), ("position", int(parts.positions[t])),
@@ -673,7 +443,7 @@ def _check_dataset_baseline(baseline, d: int) -> None:
     if not isinstance(baseline, str) and tuple(torch.as_tensor(baseline).shape) != (d,):
         raise ValueError(f"a dataset's baseline tensor must have shape ({d},) (the model's hidden "
                          f"size; one point for every item), got {tuple(torch.as_tensor(baseline).shape)}")
-    _baseline(baseline, SimpleNamespace(hidden=torch.zeros(1, 1, d)))  # names, finiteness: as ig_lens
+    resolve_baseline(baseline, SimpleNamespace(hidden=torch.zeros(1, 1, d)))  # names, finiteness: as ig_lens
 
 
 SETTINGS_FILE = "settings.json"  # in OUT.parts/: the settings the shards were made with
@@ -825,16 +595,16 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         raise ValueError("resume=True needs out= (the shards to resume from)")
     if out is not None and Path(out).suffix != ".parquet":
         raise ValueError(f"out must be a .parquet file (the results are written as parquet), got {str(out)!r}")
-    table = read_items(items, prompt_column=prompt_column, answer_column=answer_column,
+    table = igt.read_items(items, prompt_column=prompt_column, answer_column=answer_column,
                        id_column=id_column, foil_column=foil_column)
-    _check_quantity(quantity)
+    check_quantity(quantity)
     readout = readout or Readout(model)
     layers = check_layers(layers, readout.adapter.n_layers)  # fail before any item runs
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    _check_steps(readout, steps, estimator, False)
+    check_steps(readout, steps, estimator, False)
     _check_dataset_baseline(baseline, readout.hidden_size)
     if resolution is not None and resolution not in DATASET_RESOLUTIONS:
         raise ValueError(f"resolution must be None or one of {DATASET_RESOLUTIONS}, got {resolution!r}")
@@ -864,7 +634,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     done = set()
     if resume:
         for kind in ("results", "errors"):
-            shards = _read_shards(parts, kind)
+            shards = igt.read_shards(parts, kind)
             done |= set(shards["id"]) if shards is not None else set()
     mine = table[(table["row"] % world == rank) & ~table["id"].isin(done)]
 
@@ -878,11 +648,11 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
             return
         stem = f"rank{rank:04d}-{time.time_ns()}"
         if pieces is not None and len(pieces):  # before the results: those mark the items done
-            _write_shard(pieces.assign(shard=stem), parts / f"{stem}.components.parquet")
+            igt.write_shard(pieces.assign(shard=stem), parts / f"{stem}.components.parquet")
         if len(errors):
-            _write_shard(errors.assign(shard=stem), parts / f"{stem}.errors.parquet")
+            igt.write_shard(errors.assign(shard=stem), parts / f"{stem}.errors.parquet")
         if len(results):
-            _write_shard(results.assign(shard=stem), parts / f"{stem}.results.parquet")
+            igt.write_shard(results.assign(shard=stem), parts / f"{stem}.results.parquet")
 
     # 1. tokenise; rows that cannot run are errors at once
     sequences, errors, foil_ids = {}, [], {}  # row -> (prompt ids, answer ids or None); row -> foil id
@@ -896,16 +666,16 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
             if not item.prompt.strip():
                 raise ValueError(f"prompt must be a non-empty string, got {item.prompt!r}")
             if item.answer is None:
-                prompt = _prompt_ids(tokenizer, item.prompt, chat)
-                _check_sequence(model, torch.tensor(prompt + prompt[-1:]), len(prompt))
+                prompt = prompt_token_ids(tokenizer, item.prompt, chat)
+                check_sequence(model, torch.tensor(prompt + prompt[-1:]), len(prompt))
                 sequences[item.row] = (prompt, None)
             else:
                 ids, prompt_len = encode(tokenizer, item.prompt, item.answer, chat=chat)
-                _check_sequence(model, ids, prompt_len)
+                check_sequence(model, ids, prompt_len)
                 sequences[item.row] = (ids[0, :prompt_len].tolist(), ids[0, prompt_len:].tolist())
         except ValueError as err:
             errors.append(dict(row=item.row, id=item.id, error=str(err)))
-    record(pd.DataFrame(columns=_RESULT_COLUMNS[:-1]), pd.DataFrame(errors, columns=["row", "id", "error"]))
+    record(pd.DataFrame(columns=igt.RESULT_COLUMNS[:-1]), pd.DataFrame(errors, columns=["row", "id", "error"]))
     n_failed = len(errors)
 
     # 2. batches of similar length: greedy answers, one forward pass, one readout pass
@@ -958,7 +728,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                     attributions.pop(runnable.index(r))
                     runnable.remove(r)
         frames = [_item_frame(a, tokenizer, r, ids_of[r], foils_of[r]) for r, a in zip(runnable, attributions)]
-        record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_RESULT_COLUMNS[:-1]),
+        record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=igt.RESULT_COLUMNS[:-1]),
                pd.DataFrame(batch_errors, columns=["row", "id", "error"]),
                pd.concat(pieces, ignore_index=True) if pieces else None)
         n_failed += len(batch_errors)
@@ -971,7 +741,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         if rank == 0:  # after the barrier: the whole run's items over the whole run's time
             items_run = int((~table["id"].isin(done)).sum())
         if rank == 0:
-            results, errors, pieces = _merge_shards(parts, Path(out), resolution is not None)
+            results, errors, pieces = igt.merge_shards(parts, Path(out), resolution is not None)
             missing = set(table["id"]) - set(results["id"]) - set(errors["id"])
             if missing:  # e.g. another node's shards written to a folder rank 0 cannot see
                 raise FileNotFoundError(
@@ -979,10 +749,10 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                     f"(e.g. {sorted(missing)[:3]}): with several nodes, out= must lie on a file "
                     "system that every node shares")
         else:  # this rank's own shards
-            results, errors, pieces = _tables(*(_read_shards(parts, kind, f"rank{rank:04d}-")
+            results, errors, pieces = igt.result_tables(*(igt.read_shards(parts, kind, f"rank{rank:04d}-")
                                                 for kind in ("results", "errors", "components")))
     else:
-        results, errors, pieces = _tables(pd.concat(kept, ignore_index=True) if kept else None,
+        results, errors, pieces = igt.result_tables(pd.concat(kept, ignore_index=True) if kept else None,
                                           pd.concat(failed, ignore_index=True) if failed else None,
                                           pd.concat(split, ignore_index=True) if split else None)
     seconds = time.perf_counter() - started

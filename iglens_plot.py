@@ -56,7 +56,7 @@ def _units(attribution: Attribution, quantity: Optional[str] = None, foil: Optio
 
     Args:
         quantity: ``"prob"`` or ``"logprob"``; None: ``attribution.quantity`` (an attribution
-            rebuilt by :func:`iglens_data.attribution_from_frame` carries the table's).
+            rebuilt by :func:`iglens_tables.attribution_from_frame` carries the table's).
         foil: f is a difference with a foil; None: whether ``attribution.foils`` is set.
     """
     quantity = attribution.quantity if quantity is None else quantity
@@ -161,7 +161,7 @@ def plot_trajectories(ax, attribution: Attribution, tokens: Sequence[str], *, on
         ax.legend(fontsize=7, ncol=2, loc="upper left")
 
 
-def _html_path(path) -> Path:
+def check_html_path(path) -> Path:
     """``path`` as a Path when it names an ``.html`` file in an existing folder; else ValueError."""
     out = Path(path).expanduser()
     if out.suffix.lower() not in (".html", ".htm"):
@@ -248,7 +248,7 @@ def to_html(attribution: Attribution, tokens: Sequence[str], path, *,
     import html
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
-    out = _html_path(path)
+    out = check_html_path(path)
     if plotlyjs not in (True, "directory"):
         raise ValueError(f"plotlyjs must be True or 'directory', got {plotlyjs!r}")
     tokens = list(tokens)

@@ -73,6 +73,9 @@ sys.path.insert(0, str(ROOT))
 import iglens_core as ig  # noqa: E402
 import iglens_data as igd  # noqa: E402
 import iglens_plot as igp  # noqa: E402
+import iglens_baselines as igb  # noqa: E402
+import iglens_causal as igc  # noqa: E402
+import iglens_dpa as igdpa  # noqa: E402
 
 PROMPT = "What is the capital of Vietnam?"
 ANSWER = "The capital of Vietnam is Hanoi."
@@ -922,7 +925,7 @@ def item11_components(ctx) -> None:
             for layer, block in enumerate(adapter.blocks):
                 for sublayer, start, acts, out in (("attn", trace.hidden[layer], trace.heads[layer], heads),
                                                    ("mlp", trace.mid[layer], trace.neurons[layer], neurons)):
-                    proj = ig._projection(block, sublayer)[0]
+                    proj = ig.sublayer_projection(block, sublayer)[0]
                     base = start.to(ctx.device)
 
                     def forward(x, proj=proj, base=base):
@@ -948,13 +951,11 @@ def item11_components(ctx) -> None:
 
 
 def ig_frozen(model):
-    import iglens_compare as cmp
-    return cmp._frozen_parameters(model)
+    return igb.frozen_parameters(model)
 
 
 def item12_patching(ctx) -> None:
     """Activation patching of every node of one fact vs a naive loop of spliced full forward passes."""
-    import iglens_compare as cmp
     model, tokenizer = ctx.model, ctx.tokenizer
     ids, prompt_len = igd.encode(tokenizer, "What is the capital of France?", "The capital of France is Paris.")
     focus = prompt_len + igd.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
@@ -983,9 +984,9 @@ def item12_patching(ctx) -> None:
             out.append(torch.softmax(logits, -1)[target])
         return torch.stack(out).cpu()
 
-    ours = cmp.activation_patching(model, trace, corrupted).probs
+    ours = igc.activation_patching(model, trace, corrupted).probs
     gap = (ours.float() - naive()).abs().max().item()
-    best = best_of({"ours": lambda: cmp.activation_patching(model, trace, corrupted), "naive": naive},
+    best = best_of({"ours": lambda: igc.activation_patching(model, trace, corrupted), "naive": naive},
                    ctx.args.repeats, ctx.device)
     ratio = best["naive"] / best["ours"]
     add(f"12. activation patching of all {n + 1} nodes of one fact ({corrupted.shape[1]} tokens; corrupted prefix KV-cached, "
@@ -995,10 +996,9 @@ def item12_patching(ctx) -> None:
 
 def item13_causal_trace(ctx) -> None:
     """The causal-trace grid (every position x every node) of one fact vs one spliced forward per cell."""
-    import iglens_compare as cmp
     model, tokenizer = ctx.model, ctx.tokenizer
     template = "As every atlas and every school book agrees, the capital city of the country of {} is the city of"
-    clean, corrupted = (torch.tensor([igd._prompt_ids(tokenizer, template.format(c), False)], device=ctx.device)
+    clean, corrupted = (torch.tensor([igd.prompt_token_ids(tokenizer, template.format(c), False)], device=ctx.device)
                         for c in ("France", "Greece"))  # same length: one token each
     target = tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
     adapter = ig.get_adapter(model)
@@ -1030,7 +1030,7 @@ def item13_causal_trace(ctx) -> None:
         return out
 
     def ours():
-        return cmp.causal_trace(model, clean, corrupted, target)
+        return igc.causal_trace(model, clean, corrupted, target)
 
     reference, naive_time = timed(naive, ctx.device)  # ~n S forward passes: timed once
     result = ours()
@@ -1047,23 +1047,22 @@ def item13_causal_trace(ctx) -> None:
 def item14_dpa(ctx) -> None:
     """Dual Path Attribution's ablation protocol for one item (issue 23): batched vs one forward per
     fraction; IG-Lens's component scores vs AtP's (a forward and a backward pass)."""
-    import iglens_compare as cmp
     model, tokenizer = ctx.model, ctx.tokenizer
     # a plain prompt, as the original and notebook 10 feed them
     ids, prompt_len = igd.encode(tokenizer, "The capital of France is", " Paris.", chat=False)
     focus = prompt_len + igd.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
     prompt, target = ids[:, :focus], int(ids[0, focus])
-    scores = cmp.dpa_scores(model, prompt, target, "atp")
-    F = len(cmp.DPA_FRACTIONS)
+    scores = igdpa.dpa_scores(model, prompt, target, "atp")
+    F = len(igdpa.DPA_FRACTIONS)
 
     def protocol(batch_size=None):
-        return np.stack([cmp.dpa_ablation(model, prompt, target, scores, mode=mode, batch_size=batch_size)
-                         for mode in cmp.DPA_MODES])
+        return np.stack([igdpa.dpa_ablation(model, prompt, target, scores, mode=mode, batch_size=batch_size)
+                         for mode in igdpa.DPA_MODES])
 
     gap = float(np.abs(protocol() - protocol(batch_size=1)).max())
     best = best_of({"ours": protocol, "naive": lambda: protocol(batch_size=1)}, ctx.args.repeats, ctx.device)
     ratio = best["naive"] / best["ours"]
-    n, H, d_ff = cmp._dpa_layout(model)
+    n, H, d_ff = igdpa.dpa_layout(model)
     S = prompt.shape[1]
     add(f"14. DPA ablation protocol, one item ({S} tokens, {n * H * S * S + n * S * d_ff} edges and neurons ranked "
         f"together; {F} fractions x 2 modes, each mode's {F + 1} rows in one batched forward) vs one forward per "
@@ -1076,11 +1075,11 @@ def item14_dpa(ctx) -> None:
     readout = ig.Readout(model)
     for ids in (prompt, long_ids):
         full = torch.cat([ids, torch.tensor([[target]])], 1)
-        fns = {"ig_lens": lambda: cmp.dpa_scores(model, ids, target, "ig_lens", readout=readout),
-               "ig_lens_m4": lambda: cmp.dpa_scores(model, ids, target, "ig_lens", steps=4, readout=readout),
-               "ig_lens_gauss": lambda: cmp.dpa_scores(model, ids, target, "ig_lens_gauss", readout=readout),
+        fns = {"ig_lens": lambda: igdpa.dpa_scores(model, ids, target, "ig_lens", readout=readout),
+               "ig_lens_m4": lambda: igdpa.dpa_scores(model, ids, target, "ig_lens", steps=4, readout=readout),
+               "ig_lens_gauss": lambda: igdpa.dpa_scores(model, ids, target, "ig_lens_gauss", readout=readout),
                "forward": lambda: ig.collect_components(model, full, ids.shape[1], sources=True),
-               "atp": lambda: cmp.dpa_scores(model, ids, target, "atp")}
+               "atp": lambda: igdpa.dpa_scores(model, ids, target, "atp")}
         best = best_of(fns, ctx.args.repeats, ctx.device)
         ratio = best["forward"] / best["atp"]
         add(f"14. floor of IG-Lens's scores ({ids.shape[1]} tokens): its one forward pass alone (collect with "

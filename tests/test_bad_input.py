@@ -4,7 +4,8 @@ import copy
 import pytest
 import torch
 
-import iglens_compare as cmp
+import iglens_baselines as igb
+import iglens_causal as igc
 import iglens_core as ig
 import iglens_data as igd
 import iglens_plot as igp
@@ -175,7 +176,7 @@ def test_model_name_where_a_model_belongs(setup):
     with pytest.raises(ValueError, match=match):
         ig.ig_lens("smollm2-135m-instruct", trace)
     with pytest.raises(ValueError, match=match):
-        cmp.ablation_effects("smollm2-135m-instruct", trace)
+        igc.ablation_effects("smollm2-135m-instruct", trace)
     with pytest.raises(ValueError, match=r"model must be a loaded torch model.*got int"):
         ig.Readout(5)
 
@@ -211,9 +212,9 @@ def test_trace_or_readout_of_another_model_of_the_same_sizes(setup):
     assert not torch.allclose(ig.logit_lens(other, unmarked)[:, -1], trace.model_probs, atol=1e-3)
     match = r"the trace comes from another model.*collect it with this model"
     for call in (lambda: ig.ig_lens(other, trace), lambda: ig.logit_lens(other, trace),
-                 lambda: cmp.direct_logit_attribution(other, trace),
-                 lambda: cmp.ablation_effects(other, trace),
-                 lambda: cmp.activation_patching(other, trace, trace.input_ids[:, :5], min_gap=0)):
+                 lambda: igb.direct_logit_attribution(other, trace),
+                 lambda: igc.ablation_effects(other, trace),
+                 lambda: igc.activation_patching(other, trace, trace.input_ids[:, :5], min_gap=0)):
         with pytest.raises(ValueError, match=match):
             call()
     with pytest.raises(ValueError, match=r"the readout comes from another model.*Readout\(model\)"):
@@ -233,10 +234,10 @@ def test_patching_refuses_a_gap_below_rounding(setup):
     model, trace = setup
     clean = trace.input_ids[:, :int(trace.positions[3]) + 1]   # the clean prefix as the corruption
     with pytest.raises(ValueError, match=r"p_clean - p' = .*less than min_gap=0\.01"):
-        cmp.activation_patching(model, trace, clean, target=3)
+        igc.activation_patching(model, trace, clean, target=3)
     for bad in (-0.1, 1.5, "0.1"):
         with pytest.raises(ValueError, match=r"min_gap must be a probability in \[0, 1\]"):
-            cmp.activation_patching(model, trace, clean, target=3, min_gap=bad)
+            igc.activation_patching(model, trace, clean, target=3, min_gap=bad)
 
 
 def test_meta_device(setup):

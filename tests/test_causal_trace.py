@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-import iglens_compare as cmp
+import iglens_causal as igc
 from conftest import tiny_model
 
 TRACE_ARCHS = ["llama", "gemma3", "gpt2", "neox", "qwen2"]
@@ -125,7 +125,7 @@ def _swap_fixture(arch, seed=0):
 @pytest.mark.parametrize("kind,window", [("hidden", 1), ("attn", 2), ("mlp", 3)])
 def test_subject_swap_equals_spliced_reruns(arch, kind, window):
     model, clean, corrupted, target = _swap_fixture(arch, seed=TRACE_ARCHS.index(arch))
-    result = cmp.causal_trace(model, clean, corrupted, target, kind=kind, window=window, batch_size=7,
+    result = igc.causal_trace(model, clean, corrupted, target, kind=kind, window=window, batch_size=7,
                               min_gap=GAP)
     expected = _spliced_grid(model, clean, corrupted, target, kind, window, [None])
     n = model.config.num_hidden_layers
@@ -153,7 +153,7 @@ def test_noise_equals_spliced_reruns(arch, kind, window):
     hooks = [_noise_hook(noise, seed, width) for seed in seeds]
     corrupted = np.mean([_run(model, clean, [(model.get_input_embeddings(), h)])[0].numpy() for h in hooks], 0)
     target = int(np.abs(_run(model, clean)[0].numpy() - corrupted).argmax())
-    result = cmp.causal_trace(model, clean, None, target, kind=kind, window=window, noise=noise,
+    result = igc.causal_trace(model, clean, None, target, kind=kind, window=window, noise=noise,
                               subject=SUBJECT, seeds=seeds, batch_size=6, min_gap=GAP)
     expected = _spliced_grid(model, clean, clean, target, kind, window, hooks)
     torch.testing.assert_close(result.probs.double(), torch.tensor(expected), atol=2e-6, rtol=1e-5)
@@ -164,12 +164,12 @@ def test_noise_equals_spliced_reruns(arch, kind, window):
 def test_noise_is_seeded_and_reproducible():
     model, clean, _, target = _swap_fixture("llama")
     kwargs = dict(noise=1.0, subject=(2, 5), min_gap=GAP)
-    first = cmp.causal_trace(model, clean, None, target, seeds=[0, 1], **kwargs)
-    again = cmp.causal_trace(model, clean, None, target, seeds=[0, 1], **kwargs)
-    other = cmp.causal_trace(model, clean, None, target, seeds=[2, 3], **kwargs)
+    first = igc.causal_trace(model, clean, None, target, seeds=[0, 1], **kwargs)
+    again = igc.causal_trace(model, clean, None, target, seeds=[0, 1], **kwargs)
+    other = igc.causal_trace(model, clean, None, target, seeds=[2, 3], **kwargs)
     assert torch.equal(first.probs, again.probs) and first.p_corrupted == again.p_corrupted
     assert (first.probs - other.probs).abs().max() > 1e-4  # other draws, another grid
-    default = cmp.causal_trace(model, clean, None, target, subject=SUBJECT, min_gap=0.0)
+    default = igc.causal_trace(model, clean, None, target, subject=SUBJECT, min_gap=0.0)
     assert default.probs.shape == first.probs.shape  # default: 3 x embedding std, ten draws
 
 
@@ -180,7 +180,7 @@ def test_float64_exact():
     corrupted = clean.clone()
     corrupted[0, 1:3] = torch.randint(0, 97, (2,), generator=gen)
     target = int((_run(model, clean)[0] - _run(model, corrupted)[0]).abs().argmax())
-    result = cmp.causal_trace(model, clean, corrupted, target)
+    result = igc.causal_trace(model, clean, corrupted, target)
     assert result.probs.dtype == torch.float64
     expected = _spliced_grid(model, clean, corrupted, target, "hidden", 1, [None])
     torch.testing.assert_close(result.probs, torch.tensor(expected), atol=1e-12, rtol=1e-10)
@@ -190,15 +190,15 @@ def test_embedding_std_against_numpy():
     model = tiny_model("gemma3", seed=0)  # Gemma scales its embedding by sqrt(d) inside the module
     with torch.no_grad():
         values = model.get_input_embeddings()(torch.arange(97)).double().numpy()
-    assert cmp.embedding_std(model) == pytest.approx(values.std(ddof=1), rel=1e-9)
-    assert cmp.embedding_std(model, [4, 9, 9]) == pytest.approx(values[[4, 9, 9]].std(ddof=1), rel=1e-9)
+    assert igc.embedding_std(model) == pytest.approx(values.std(ddof=1), rel=1e-9)
+    assert igc.embedding_std(model, [4, 9, 9]) == pytest.approx(values[[4, 9, 9]].std(ddof=1), rel=1e-9)
 
 
 def test_rome_window():
-    assert list(cmp.rome_window(12, 10, 30)) == list(range(7, 17))
-    assert list(cmp.rome_window(1, 10, 30)) == list(range(1, 6))
-    assert list(cmp.rome_window(30, 10, 30)) == list(range(25, 31))
-    assert list(cmp.rome_window(4, 1, 30)) == [4]
+    assert list(igc.rome_window(12, 10, 30)) == list(range(7, 17))
+    assert list(igc.rome_window(1, 10, 30)) == list(range(1, 6))
+    assert list(igc.rome_window(30, 10, 30)) == list(range(25, 31))
+    assert list(igc.rome_window(4, 1, 30)) == [4]
 
 
 def test_bad_input():
@@ -225,4 +225,4 @@ def test_bad_input():
     for kwargs, match in cases:
         kwargs = {"target": target, **kwargs}
         with pytest.raises(ValueError, match=match):
-            cmp.causal_trace(model, clean, **kwargs)
+            igc.causal_trace(model, clean, **kwargs)

@@ -20,8 +20,8 @@ def _skip_blocks_from(model, layer):
     """Forward hooks making blocks layer+1..n identities."""
     blocks = ig.get_adapter(model).blocks
     return [block.register_forward_hook(
-        lambda mod, args, kwargs, out: (ig._hidden_arg(args, kwargs),) + tuple(out[1:])
-        if isinstance(out, tuple) else ig._hidden_arg(args, kwargs), with_kwargs=True)
+        lambda mod, args, kwargs, out: (ig.hidden_arg(args, kwargs),) + tuple(out[1:])
+        if isinstance(out, tuple) else ig.hidden_arg(args, kwargs), with_kwargs=True)
         for block in blocks[layer:]]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import iglens_core as ig
-import iglens_compare as cmp
+import iglens_baselines as igb
 from conftest import ARCHS, random_trace, tiny_model
 
 
@@ -32,21 +32,21 @@ def _uncap(logits, softcap):
 def test_dla_sums_to_the_models_target_logit(arch):
     model = _model64(arch)
     trace = random_trace(model, seed=3)
-    values, rest = cmp.direct_logit_attribution(model, trace, return_rest=True)
+    values, rest = igb.direct_logit_attribution(model, trace, return_rest=True)
     assert values.shape == (len(trace.targets), trace.n_layers)
     softcap = ig.get_adapter(model).softcap
     logits = _uncap(_own_target_logits(model, trace), softcap)  # pre-softcap logits
     own = logits.gather(-1, trace.targets[:, None])[:, 0]
     torch.testing.assert_close(values.sum(-1) + rest, own, atol=1e-6, rtol=1e-6)
     # centred over the vocabulary: logit_y - mean_v logit_v
-    values_c, rest_c = cmp.direct_logit_attribution(model, trace, subtract_mean=True, return_rest=True)
+    values_c, rest_c = igb.direct_logit_attribution(model, trace, subtract_mean=True, return_rest=True)
     torch.testing.assert_close(values_c.sum(-1) + rest_c, own - logits.mean(-1), atol=1e-6, rtol=1e-6)
 
 
 def test_dla_float32_model_matches_its_logits():
     model = tiny_model("llama", seed=0)
     trace = random_trace(model)
-    values, rest = cmp.direct_logit_attribution(model, trace, return_rest=True)
+    values, rest = igb.direct_logit_attribution(model, trace, return_rest=True)
     own = _own_target_logits(model, trace).gather(-1, trace.targets[:, None])[:, 0]
     torch.testing.assert_close(values.sum(-1) + rest, own, atol=1e-4, rtol=1e-5)
 
@@ -56,9 +56,9 @@ def test_dla_credits_each_block_its_own_update(arch):
     """Removing block 1's update (h_1 := h_0) zeroes its term and moves it into block 2's."""
     model = _model64(arch)
     trace = random_trace(model, seed=1)
-    before = cmp.direct_logit_attribution(model, trace)
+    before = igb.direct_logit_attribution(model, trace)
     trace.hidden[1] = trace.hidden[0]
-    after = cmp.direct_logit_attribution(model, trace)
+    after = igb.direct_logit_attribution(model, trace)
     torch.testing.assert_close(after[:, 0], torch.zeros_like(after[:, 0]), atol=1e-12, rtol=0)
     torch.testing.assert_close(after[:, 1], before[:, 0] + before[:, 1], atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(after[:, 2:], before[:, 2:], atol=1e-12, rtol=0)
@@ -74,7 +74,7 @@ def _frozen_llama_readout(model, trace):
 def test_dla_probability_cumulative_against_hand_built_frozen_norm():
     model = _model64("llama")
     trace = random_trace(model, seed=2)
-    values = cmp.dla_probability(model, trace, mode="cumulative")
+    values = igb.dla_probability(model, trace, mode="cumulative")
     readout = _frozen_llama_readout(model, trace)
     pick = lambda h: torch.softmax(readout(h.double()), -1).gather(-1, trace.targets[:, None])[:, 0]
     levels = torch.stack([pick(h) for h in trace.hidden], 1)  # (T, n+1)
@@ -88,7 +88,7 @@ def test_dla_probability_cumulative_against_hand_built_frozen_norm():
 def test_dla_probability_linearised_against_autograd():
     model = _model64("llama")
     trace = random_trace(model, seed=4)
-    values = cmp.dla_probability(model, trace, mode="linearised")
+    values = igb.dla_probability(model, trace, mode="linearised")
     readout = _frozen_llama_readout(model, trace)
     final = trace.hidden[-1].double()
     target_prob = lambda h: torch.softmax(readout(h), -1).gather(-1, trace.targets[:, None])[:, 0]
@@ -105,7 +105,7 @@ def test_dla_probability_linearised_against_autograd():
 def test_untrained_tuned_lens_is_the_logit_lens(arch):
     model = tiny_model(arch, seed=ARCHS.index(arch))
     trace = random_trace(model)
-    lens = cmp.TunedLens(model)
+    lens = igb.TunedLens(model)
     probs = lens.probs(trace)
     assert probs.shape == (len(trace.targets), trace.n_layers + 1)
     torch.testing.assert_close(probs, ig.logit_lens(model, trace), atol=0, rtol=0)
@@ -121,37 +121,37 @@ def _texts(model, count=6, length=24, seed=0):
 def test_training_lowers_the_kl_and_is_cached(tmp_path):
     model = tiny_model("llama", seed=0)
     texts = _texts(model)
-    lens = cmp.train_tuned_lens(model, None, texts, steps=80, batch_size=8, lr=3e-3, seed=0,
+    lens = igb.train_tuned_lens(model, None, texts, steps=80, batch_size=8, lr=3e-3, seed=0,
                                cache=tmp_path, name="tiny")
     assert lens.info["cached"] is False and len(lens.info["loss"]) == 80
     assert all(p.grad is None for p in model.parameters())  # the model itself is not trained
     train = ig.collect(model, torch.tensor([texts[0]]), 1)
-    before = cmp.TunedLens(model).kl(train)[:-1].mean()
+    before = igb.TunedLens(model).kl(train)[:-1].mean()
     after = lens.kl(train)[:-1].mean()
     assert after < 0.8 * before, (float(before), float(after))
     held_out = ig.collect(model, torch.tensor([_texts(model, 1, seed=9)[0]]), 1)
     assert lens.kl(held_out)[-1].abs() < 1e-6  # layer n is the model's output itself
-    again = cmp.train_tuned_lens(model, None, texts, steps=80, batch_size=8, lr=3e-3, seed=0,
+    again = igb.train_tuned_lens(model, None, texts, steps=80, batch_size=8, lr=3e-3, seed=0,
                                 cache=tmp_path, name="tiny")
     assert again.info["cached"] is True
     for a, b in zip(lens.parameters(), again.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    other = cmp.train_tuned_lens(model, None, texts, steps=5, seed=1, cache=tmp_path, name="tiny")
+    other = igb.train_tuned_lens(model, None, texts, steps=5, seed=1, cache=tmp_path, name="tiny")
     assert other.info["cached"] is False and len(list(tmp_path.iterdir())) == 2
 
 
 def test_tuned_lens_bad_input():
     model = tiny_model("llama", seed=0)
     with pytest.raises(ValueError, match="steps"):
-        cmp.train_tuned_lens(model, None, _texts(model), steps=0, cache=False)
+        igb.train_tuned_lens(model, None, _texts(model), steps=0, cache=False)
     with pytest.raises(ValueError, match="texts"):
-        cmp.train_tuned_lens(model, None, [], cache=False)
+        igb.train_tuned_lens(model, None, [], cache=False)
     with pytest.raises(ValueError, match="2 or more tokens"):
-        cmp.train_tuned_lens(model, None, [[1]], steps=1, cache=False)
+        igb.train_tuned_lens(model, None, [[1]], steps=1, cache=False)
     with pytest.raises(ValueError, match="lr"):
-        cmp.train_tuned_lens(model, None, _texts(model), lr=0.0, cache=False)
+        igb.train_tuned_lens(model, None, _texts(model), lr=0.0, cache=False)
     with pytest.raises(ValueError, match="n\\+1"):
-        cmp.TunedLens(model).translate(torch.zeros(2, 3, 32))
+        igb.TunedLens(model).translate(torch.zeros(2, 3, 32))
 
 
 # --------------------------------------------------------------------------- captum
@@ -161,10 +161,10 @@ def _residuals(model, input_ids):
     adapter = ig.get_adapter(model)
     states = {}
     hooks = [adapter.blocks[0].register_forward_pre_hook(
-        lambda m, a, k: states.__setitem__(0, ig._hidden_arg(a, k)[0].detach()), with_kwargs=True)]
+        lambda m, a, k: states.__setitem__(0, ig.hidden_arg(a, k)[0].detach()), with_kwargs=True)]
     for i, block in enumerate(adapter.blocks, start=1):
         hooks.append(block.register_forward_hook(
-            lambda m, a, o, i=i: states.__setitem__(i, ig._first_output(o)[0].detach())))
+            lambda m, a, o, i=i: states.__setitem__(i, ig.first_output(o)[0].detach())))
     with torch.no_grad():
         model(input_ids, use_cache=False)
     for hook in hooks:
@@ -181,7 +181,7 @@ def _prob_with_patch(model, trace, t, block, state, replace_input=False):
             with_kwargs=True)
     else:
         hook = adapter.blocks[block].register_forward_hook(
-            lambda m, a, o: cmp._replace_first(o, state[None]))
+            lambda m, a, o: ig.replace_first(o, state[None]))
     try:
         with torch.no_grad():
             logits = model(trace.input_ids, use_cache=False).logits[0, trace.positions[t]]
@@ -196,9 +196,9 @@ def _grad_at(model, trace, t, block, state, replace_input=False, probe_block=Non
     kept = {}
 
     def probe(m, a, o):
-        leaf = ig._first_output(o).detach().requires_grad_()
+        leaf = ig.first_output(o).detach().requires_grad_()
         kept["leaf"] = leaf
-        return cmp._replace_first(o, leaf)
+        return ig.replace_first(o, leaf)
 
     hooks = [adapter.blocks[probe_block].register_forward_hook(probe)] if probe_block is not None else []
     if replace_input:
@@ -209,7 +209,7 @@ def _grad_at(model, trace, t, block, state, replace_input=False, probe_block=Non
         leaf = state.detach().requires_grad_()
         kept["leaf"] = leaf
         hooks.append(adapter.blocks[block].register_forward_hook(
-            lambda m, a, o: cmp._replace_first(o, leaf[None])))
+            lambda m, a, o: ig.replace_first(o, leaf[None])))
     try:
         with torch.enable_grad():
             logits = model(trace.input_ids, use_cache=False).logits[0, trace.positions[t]]
@@ -231,7 +231,7 @@ def test_layer_ig_against_autograd(arch):
     model = _model64(arch)
     trace = random_trace(model, length=10, prompt_len=6, seed=5)
     steps, layers, tokens = 5, [1, 3], [0, 2]
-    values = cmp.layer_integrated_gradients(model, trace, layers=layers, steps=steps, tokens=tokens)
+    values = igb.layer_integrated_gradients(model, trace, layers=layers, steps=steps, tokens=tokens)
     assert values.shape == (2, 2)
     residual = _residuals(model, trace.input_ids)  # (n+1, S, d)
     alphas, weights = _gauss_legendre(steps)
@@ -249,7 +249,7 @@ def test_layer_ig_is_complete_per_segment_and_does_not_sum_to_delta_p():
     """Each segment's layer IG ≈ p - p(segment's update removed); their sum is not Δp."""
     model = _model64("llama")
     trace = random_trace(model, length=10, prompt_len=6, seed=6)
-    values = cmp.layer_integrated_gradients(model, trace, steps=32, tokens=[1])
+    values = igb.layer_integrated_gradients(model, trace, steps=32, tokens=[1])
     residual = _residuals(model, trace.input_ids)
     p = trace.model_probs[1].double()
     for layer in range(1, trace.n_layers + 1):
@@ -258,7 +258,7 @@ def test_layer_ig_is_complete_per_segment_and_does_not_sum_to_delta_p():
     delta_p = ig.ig_lens(model, trace).delta_p[1]
     assert abs(float(values.sum()) - float(delta_p)) > 1e-4
     # the limits captum reports are those removal effects too, already at a coarse m
-    coarse, limits = cmp.layer_integrated_gradients(model, trace, steps=2, tokens=[1], return_limit=True)
+    coarse, limits = igb.layer_integrated_gradients(model, trace, steps=2, tokens=[1], return_limit=True)
     torch.testing.assert_close(limits, values, atol=1e-8, rtol=1e-5)
     assert (coarse - limits).abs().max() > 1e-9
 
@@ -268,7 +268,7 @@ def test_layer_conductance_against_autograd(arch):
     model = _model64(arch)
     trace = random_trace(model, length=10, prompt_len=6, seed=7)
     steps, layers, tokens = 4, [2, 3], [0, 3]
-    values = cmp.layer_conductance(model, trace, layers=layers, steps=steps, tokens=tokens)
+    values = igb.layer_conductance(model, trace, layers=layers, steps=steps, tokens=tokens)
     h0 = _residuals(model, trace.input_ids)[0]
     alphas = _gauss_legendre(steps + 1)[0]  # captum's conductance: m+1 nodes, left differences
     for row, t in enumerate(tokens):
@@ -292,13 +292,13 @@ def test_every_layer_conducts_the_whole_change():
         if hasattr(module, "variance_epsilon"):
             module.variance_epsilon = 1e-2
     trace = random_trace(model, length=10, prompt_len=6, seed=8)
-    values = cmp.layer_conductance(model, trace, steps=64, tokens=[0])
+    values = igb.layer_conductance(model, trace, steps=64, tokens=[0])
     h0 = _residuals(model, trace.input_ids)[0]
     change = float(trace.model_probs[0].double() - _prob_with_patch(model, trace, 0, None, 0 * h0, True))
     assert abs(change) > 1e-4
     for value in values[0]:
         assert float(value) == pytest.approx(change, rel=0.05)
-    _, limits = cmp.layer_conductance(model, trace, steps=2, tokens=[0], return_limit=True)
+    _, limits = igb.layer_conductance(model, trace, steps=2, tokens=[0], return_limit=True)
     torch.testing.assert_close(limits, torch.full_like(limits, change), atol=1e-10, rtol=1e-8)
 
 
@@ -306,15 +306,15 @@ def test_captum_bad_input():
     model = tiny_model("llama", seed=0)
     trace = random_trace(model)
     with pytest.raises(ValueError, match="tokens"):
-        cmp.layer_integrated_gradients(model, trace, tokens=[len(trace.targets)])
+        igb.layer_integrated_gradients(model, trace, tokens=[len(trace.targets)])
     with pytest.raises(ValueError, match="method"):
-        cmp.layer_conductance(model, trace, method="simpson")
+        igb.layer_conductance(model, trace, method="simpson")
     with pytest.raises(ValueError, match="steps"):
-        cmp.layer_integrated_gradients(model, trace, steps=1, method="riemann_left")
+        igb.layer_integrated_gradients(model, trace, steps=1, method="riemann_left")
     with pytest.raises(ValueError, match="layers"):
-        cmp.layer_conductance(model, trace, layers=[0])
+        igb.layer_conductance(model, trace, layers=[0])
     with pytest.raises(ValueError, match="mode"):
-        cmp.dla_probability(model, trace, mode="softmax")
+        igb.dla_probability(model, trace, mode="softmax")
 
 
 def test_training_and_captum_work_with_grad_disabled():
@@ -322,7 +322,7 @@ def test_training_and_captum_work_with_grad_disabled():
     model = tiny_model("llama", seed=0)
     trace = random_trace(model)
     with torch.no_grad():
-        lens = cmp.train_tuned_lens(model, None, _texts(model, 2), steps=3, cache=False)
-        values = cmp.layer_integrated_gradients(model, trace, steps=2, tokens=[0])
-        conductance = cmp.layer_conductance(model, trace, steps=2, tokens=[0])
+        lens = igb.train_tuned_lens(model, None, _texts(model, 2), steps=3, cache=False)
+        values = igb.layer_integrated_gradients(model, trace, steps=2, tokens=[0])
+        conductance = igb.layer_conductance(model, trace, steps=2, tokens=[0])
     assert len(lens.info["loss"]) == 3 and torch.isfinite(values).all() and torch.isfinite(conductance).all()

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import iglens_compare as cmp
+import iglens_baselines as igb
+import iglens_causal as igc
 import iglens_core as ig
 from conftest import blocks, sharp_model
 
@@ -211,13 +212,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="collect_components"):
         ig.components(model, plain)
     with pytest.raises(ValueError, match="collect_components"):
-        cmp.component_dla(model, plain)
+        igb.component_dla(model, plain)
     with pytest.raises(ValueError, match="resolution must be 'head' or 'neuron'"):
-        cmp.component_dla(model, trace, resolution="both")
+        igb.component_dla(model, trace, resolution="both")
     with pytest.raises(ValueError, match=r"block in 1..3 and index in 0..3"):
-        cmp.component_ablation(model, trace, [[(1, 4)]])
+        igc.component_ablation(model, trace, [[(1, 4)]])
     with pytest.raises(ValueError, match="mode must be one of"):
-        cmp.component_ablation(model, trace, [[(1, 0)]], mode="resample")
+        igc.component_ablation(model, trace, [[(1, 0)]], mode="resample")
 
 
 # -- iglens_compare: head DLA and component ablation -------------------------------------------
@@ -226,10 +227,10 @@ def test_bad_input():
 def test_component_dla_adds_up_to_block_dla(arch):
     model = sharp_model(arch, seed=1)
     trace = trace_of(model, seed=1)
-    heads = cmp.component_dla(model, trace, resolution="head")
-    neurons = cmp.component_dla(model, trace, resolution="neuron")
+    heads = igb.component_dla(model, trace, resolution="head")
+    neurons = igb.component_dla(model, trace, resolution="neuron")
     assert heads.shape[-1] == model.config.num_attention_heads + 1
-    block = cmp.direct_logit_attribution(model, trace)  # (T, n) from the residual stream alone
+    block = igb.direct_logit_attribution(model, trace)  # (T, n) from the residual stream alone
     torch.testing.assert_close(heads.sum(-1) + neurons.sum(-1), block, atol=1e-4, rtol=1e-5)
 
 
@@ -239,7 +240,7 @@ def test_component_ablation_equals_zeroed_weights(arch):
     trace = trace_of(model, seed=2)
     sets = [[(2, 1)], [(1, 0), (3, 3)], []]
     for resolution, (name, width) in (("head", (PROJECTIONS[arch][0], 32 // 4)), ("neuron", (PROJECTIONS[arch][1], 1))):
-        drops = cmp.component_ablation(model, trace, sets, resolution=resolution, batch_size=2)
+        drops = igc.component_ablation(model, trace, sets, resolution=resolution, batch_size=2)
         for column, chosen in enumerate(sets):
             edited = copy.deepcopy(model)
             with torch.no_grad():
@@ -259,7 +260,7 @@ def test_component_ablation_equals_zeroed_weights(arch):
 def test_component_ablation_mean_mode():
     model = sharp_model("llama", seed=4)
     trace = trace_of(model, seed=4)
-    drops = cmp.component_ablation(model, trace, [[(2, 3)]], mode="mean")[:, 0]
+    drops = igc.component_ablation(model, trace, [[(2, 3)]], mode="mean")[:, 0]
     inputs = {}
     module = blocks(model)[1].self_attn.o_proj
     hook = module.register_forward_pre_hook(lambda mod, args: inputs.__setitem__("z", args[0][0]))

@@ -10,6 +10,7 @@ import torch
 import iglens_cli as igcli
 import iglens_core as ig
 import iglens_data as igd
+import iglens_tables as igt
 from conftest import tiny_model
 from test_dataset import VOCAB, model_dir, tokenizer  # noqa: F401 (fixtures: the packaged tokenizer, a tiny Llama dir)
 
@@ -103,21 +104,21 @@ def test_parts_equal_components_of_each_item(tokenizer, arch, resolution, quanti
 
 def test_top_parts_tie_rule():
     """Zero-tied parts are never picked; ties within rounding go to the lower index; the same picks
-    as cmp.top_positive of |share| (the project's rule, which iglens_data may not import)."""
-    import iglens_compare as cmp
+    as igs.top_positive of |share| (the project's rule, which iglens_data may not import)."""
+    import iglens_stats as igs
     shares = torch.tensor([0.0, 3e-6, -0.2, 0.2 + 1e-7, 0.1, -4e-6, 0.05], dtype=torch.float64)
-    assert igd.top_parts(shares, 3).tolist() == [2, 3, 4]
-    assert igd.top_parts(shares, 10).tolist() == [2, 3, 4, 6]  # 0, 3e-6 and -4e-6 are tied with 0
-    assert igd.top_parts(torch.zeros(2, 3), 2).tolist() == []
-    assert igd.top_parts(-shares.flip(0), 2).tolist() == [3, 4]
+    assert igs.top_parts(shares, 3).tolist() == [2, 3, 4]
+    assert igs.top_parts(shares, 10).tolist() == [2, 3, 4, 6]  # 0, 3e-6 and -4e-6 are tied with 0
+    assert igs.top_parts(torch.zeros(2, 3), 2).tolist() == []
+    assert igs.top_parts(-shares.flip(0), 2).tolist() == [3, 4]
     gen = np.random.default_rng(0)
     for trial in range(200):  # chains of near ties, exact ties, values near 0, grids
         size = int(gen.integers(1, 40))
         values = gen.choice([0.0, 1e-6, 0.01, 0.02, 0.5], size) * gen.choice([-1, 1], size)
         values = values + gen.normal(0, [1e-6, 1e-3, 0.1][trial % 3], size) * (gen.random(size) < 0.5)
         k = int(gen.integers(1, size + 3))
-        want = cmp.top_positive(np.abs(values), min(k, size))
-        assert igd.top_parts(values.reshape(1, -1), k).tolist() == want.tolist(), (values, k)
+        want = igs.top_positive(np.abs(values), min(k, size))
+        assert igs.top_parts(values.reshape(1, -1), k).tolist() == want.tolist(), (values, k)
 
 
 def test_resume_refuses_other_resolution(tmp_path, tokenizer):
@@ -126,8 +127,8 @@ def test_resume_refuses_other_resolution(tmp_path, tokenizer):
     run = lambda **more: igd.attribute_dataset(model, tokenizer, facts, out=out, resume=True, steps=2,
                                                progress=False, **{"resolution": "head", "top_k": 3, **more})
     results, _, parts = run()
-    assert igd.parts_path(out) == tmp_path / "r.components.parquet"
-    pd.testing.assert_frame_equal(pd.read_parquet(igd.parts_path(out)), parts)
+    assert igt.parts_path(out) == tmp_path / "r.components.parquet"
+    pd.testing.assert_frame_equal(pd.read_parquet(igt.parts_path(out)), parts)
     # a parts shard whose results shard was never written (killed between them) is dropped
     shard = next((tmp_path / "r.parquet.parts").glob("*.components.parquet"))
     pd.read_parquet(shard).assign(shard="rank0000-0").to_parquet(shard.with_name("rank0000-0.components.parquet"))
@@ -140,7 +141,7 @@ def test_resume_refuses_other_resolution(tmp_path, tokenizer):
         with pytest.raises(ValueError, match=r"resume: the shards in .* were made with other settings .*" + match):
             run(**more)
     igd.attribute_dataset(model, tokenizer, facts, out=out, steps=2, progress=False)  # a fresh plain run
-    assert not igd.parts_path(out).exists()  # no stale parts table beside it
+    assert not igt.parts_path(out).exists()  # no stale parts table beside it
 
 
 def test_bad_resolution_and_top_k(tokenizer, tmp_path, capsys):
@@ -182,7 +183,7 @@ def test_cli_on_the_packaged_model(tmp_path, tokenizer, packaged, capsys):
                        "--top-k", "3"]) == 0
     printed = capsys.readouterr().out
     assert "2 items done, 0 failed" in printed and f"in {tmp_path / 'two.components.parquet'}" in printed
-    results, parts = pd.read_parquet(out), pd.read_parquet(igd.parts_path(out))
+    results, parts = pd.read_parquet(out), pd.read_parquet(igt.parts_path(out))
     assert (parts["kind"] == "source").sum() >= 3  # probabilities of a trained model: parts stand out
     model, _ = packaged
     for item in facts.itertuples():
@@ -202,7 +203,7 @@ def test_cli_views_name_the_quantity_and_show_the_sources(tmp_path, model_dir, c
     assert igcli.main(["--dataset", str(csv), "--out", str(out), "--model", str(model_dir), "--steps", "2",
                        "--quantity", "logprob", "--resolution", "source", "--top-k", "2", "--html", str(views)]) == 0
     assert "interactive views: 2 files" in capsys.readouterr().out
-    parts = pd.read_parquet(igd.parts_path(out))
+    parts = pd.read_parquet(igt.parts_path(out))
     for item in facts["id"]:
         text = (views / f"{item}.html").read_text(encoding="utf-8")
         _, layout = _figure(text)

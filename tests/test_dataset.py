@@ -14,6 +14,7 @@ import transformers
 import iglens_core as ig
 import iglens_cli as igcli
 import iglens_data as igd
+import iglens_tables as igt
 from conftest import random_trace, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +99,7 @@ def test_cli_bad_rows_and_resume_after_kill(tmp_path, model_dir, monkeypatch, ca
     assert whole["residual"].max() < 1e-6
 
     written = []
-    real = igd._write_shard
+    real = igt.write_shard
 
     def dies_in_the_second_shard(frame, path):
         if path.name.endswith(".results.parquet"):
@@ -108,10 +109,10 @@ def test_cli_bad_rows_and_resume_after_kill(tmp_path, model_dir, monkeypatch, ca
             written.append(path)
         real(frame, path)
 
-    monkeypatch.setattr(igd, "_write_shard", dies_in_the_second_shard)
+    monkeypatch.setattr(igt, "write_shard", dies_in_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
         _run(model_dir, csv, tmp_path / "killed.parquet")
-    monkeypatch.setattr(igd, "_write_shard", real)
+    monkeypatch.setattr(igt, "write_shard", real)
     parts = tmp_path / "killed.parquet.parts"
     done = pd.read_parquet(next(parts.glob("*.results.parquet")))["id"].unique()
     assert len(done) == 2 and not (tmp_path / "killed.parquet").exists()
@@ -214,16 +215,16 @@ def test_rank0_reports_shards_it_cannot_see(tmp_path, tokenizer, monkeypatch):
 def test_from_frame_rebuilds_the_attribution():
     model = tiny_model("gpt2", seed=6)
     attribution = ig.ig_lens(model, random_trace(model, seed=7), layers=[1, 2])
-    rebuilt = igd.attribution_from_frame(attribution.to_frame())
+    rebuilt = igt.attribution_from_frame(attribution.to_frame())
     torch.testing.assert_close(rebuilt.values, attribution.values.double())
     torch.testing.assert_close(rebuilt.lens, attribution.lens.double())
     torch.testing.assert_close(rebuilt.delta_p, attribution.delta_p.double())
     assert rebuilt.layers == attribution.layers and rebuilt.labels == attribution.labels
     assert abs(rebuilt.residual - attribution.residual) < 1e-7
     with pytest.raises(ValueError, match="full grid"):
-        igd.attribution_from_frame(attribution.to_frame().iloc[1:])
+        igt.attribution_from_frame(attribution.to_frame().iloc[1:])
     with pytest.raises(ValueError, match="one id"):
-        igd.attribution_from_frame(pd.concat([attribution.to_frame().assign(id="a"),
+        igt.attribution_from_frame(pd.concat([attribution.to_frame().assign(id="a"),
                                              attribution.to_frame().assign(id="b")]))
 
 
@@ -270,7 +271,7 @@ def test_every_format_and_renamed_columns_give_the_same_results(tmp_path, tokeni
                                                        max_new_tokens=3, progress=False, **names)
     want, errors = run(facts)
     assert errors.empty and want["id"].nunique() == 4
-    for suffix in igd.DATASET_FORMATS:
+    for suffix in igt.DATASET_FORMATS:
         got, errors = run(_write(facts, tmp_path / f"facts{suffix}"))
         assert errors.empty, suffix
         pd.testing.assert_frame_equal(got, want, obj=suffix)
@@ -287,7 +288,7 @@ def test_unreadable_dataset_files(tmp_path):
         path = tmp_path / name
         path.write_bytes(content)
         with pytest.raises(ValueError, match=re.escape(repr(str(path))) + ".*" + match):
-            igd.read_items(path, **names)
+            igt.read_items(path, **names)
 
     good = "id,prompt,answer\na,Capital of France?,Paris\n"
     raises("facts.xlsx", good.encode(), r"unknown extension '\.xlsx', expected one of \.csv, \.tsv")

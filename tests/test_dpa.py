@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import iglens_compare as cmp
+import iglens_dpa as igdpa
 import iglens_core as ig
 from conftest import blocks, tiny_model
 
@@ -96,12 +96,12 @@ def random_scores(model, ids, seed):
             0.7 * torch.randn(n, S, D_FF, generator=gen, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("mode", cmp.DPA_MODES)
+@pytest.mark.parametrize("mode", igdpa.DPA_MODES)
 def test_ablation_matches_zeroing_by_hand(case, mode):
     arch, model, ids, target = case
     edges, neurons = random_scores(model, ids, seed=7)
-    fractions = list(cmp.DPA_FRACTIONS) + [0.0, 1.0]
-    ours = cmp.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
+    fractions = list(igdpa.DPA_FRACTIONS) + [0.0, 1.0]
+    ours = igdpa.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
                             fractions=fractions)
     reference = reference_drops(model, ids, target, edges, neurons, mode, fractions)
     assert ours.shape == (len(fractions),)
@@ -110,7 +110,7 @@ def test_ablation_matches_zeroing_by_hand(case, mode):
     # nothing zeroed: no drop (disrupt at x = 0, recover at x = 1)
     assert abs(ours[-2 if mode == "disrupt" else -1]) < 1e-9
     # one row per forward pass gives the same drops as all rows in one pass
-    single = cmp.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
+    single = igdpa.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
                               fractions=fractions, batch_size=1)
     np.testing.assert_allclose(single, ours, rtol=0, atol=1e-9)
 
@@ -119,21 +119,21 @@ def test_missing_scores_are_zero(case):
     arch, model, ids, target = case
     edges, neurons = random_scores(model, ids, seed=8)
     fractions = [1e-3, 0.05, 0.3]
-    only_edges = cmp.dpa_ablation(model, ids, target, {"edges": edges}, fractions=fractions)
+    only_edges = igdpa.dpa_ablation(model, ids, target, {"edges": edges}, fractions=fractions)
     reference = reference_drops(model, ids, target, edges, torch.zeros_like(neurons), "disrupt", fractions)
     np.testing.assert_allclose(only_edges, reference, rtol=0, atol=1e-8)
     # everything scored 0: with ties="index" the flat order is kept (edges first) and disrupt zeroes
     # the first ones; with ties="random" the seed's permutation decides
     N = edges.numel() + neurons.numel()
     for ties, seed, rank in (("index", 0, np.arange(N)), ("random", 3, np.random.default_rng(3).permutation(N))):
-        tied = cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, ties=ties, seed=seed)
+        tied = igdpa.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, ties=ties, seed=seed)
         ordered = torch.from_numpy(N - rank.astype(np.float64))  # higher score = earlier in the order
-        by_score = cmp.dpa_ablation(model, ids, target, {"edges": ordered[:edges.numel()].view_as(edges),
+        by_score = igdpa.dpa_ablation(model, ids, target, {"edges": ordered[:edges.numel()].view_as(edges),
                                                          "neurons": ordered[edges.numel():].view_as(neurons)},
                                     fractions=fractions, ties=ties, seed=seed)
         np.testing.assert_allclose(tied, by_score, rtol=0, atol=1e-12)
-    random_ties = cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, seed=3)
-    assert np.abs(random_ties - cmp.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions,
+    random_ties = igdpa.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, seed=3)
+    assert np.abs(random_ties - igdpa.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions,
                                                  ties="index")).max() > 1e-6  # the tie rule matters here
 
 
@@ -143,12 +143,12 @@ def test_order_ties(ties):
     x = gen.permutation(1000) * 0.01 - 5.0  # spaced far beyond the tolerance (1e-6 of the largest)
     x[[10, 500, 900]] = 10.0 + np.array([1e-9, 0.0, -1e-9])  # equal within rounding
     x[[20, 30, 40, 50]] = -20.0  # exactly equal
-    order = cmp.dpa_order(x, ties=ties, seed=5)
+    order = igdpa.dpa_order(x, ties=ties, seed=5)
     key = np.arange(1000) if ties == "index" else np.random.default_rng(5).permutation(1000)
     assert list(order[:3]) == sorted([10, 500, 900], key=lambda i: key[i])
     assert list(order[-4:]) == sorted([20, 30, 40, 50], key=lambda i: key[i])
     # a perturbation at the rounding level leaves the order as it is
-    np.testing.assert_array_equal(cmp.dpa_order(x * (1 + 1e-10 * gen.standard_normal(1000)), ties=ties, seed=5),
+    np.testing.assert_array_equal(igdpa.dpa_order(x * (1 + 1e-10 * gen.standard_normal(1000)), ties=ties, seed=5),
                                   order)
     # distinct values: descending
     assert (np.diff(x[order[3:-4]]) < 0).all()
@@ -157,16 +157,16 @@ def test_order_ties(ties):
 
 def test_order_rejects_bad_tie_rule():
     with pytest.raises(ValueError, match="ties must be"):
-        cmp.dpa_order(np.zeros(3), ties="first")
+        igdpa.dpa_order(np.zeros(3), ties="first")
     with pytest.raises(ValueError, match="seed must be"):
-        cmp.dpa_order(np.zeros(3), seed=-1)
+        igdpa.dpa_order(np.zeros(3), seed=-1)
 
 
 def test_areas_against_trapezoids_by_hand():
     gen = np.random.default_rng(1)
     disrupt, recover = 100 * gen.random((5, 10)), 100 * gen.random((5, 10)) - 20
-    areas = cmp.dpa_areas(disrupt, recover)
-    xs = list(cmp.DPA_FRACTIONS)
+    areas = igdpa.dpa_areas(disrupt, recover)
+    xs = list(igdpa.DPA_FRACTIONS)
 
     def trapezoid(points):
         points = sorted(points)
@@ -177,15 +177,15 @@ def test_areas_against_trapezoids_by_hand():
     assert math.isclose(areas["disturb_aoc"], expected_d, rel_tol=1e-12)
     assert math.isclose(areas["recover_aoc"], expected_r, rel_tol=1e-12)
     assert math.isclose(areas["total"], expected_r - expected_d, rel_tol=1e-12)
-    bare = cmp.dpa_areas(disrupt, recover, anchors=False)
+    bare = igdpa.dpa_areas(disrupt, recover, anchors=False)
     assert math.isclose(bare["disturb_aoc"], trapezoid([(x, 100 - disrupt[:, i].mean()) for i, x in enumerate(xs)]),
                         rel_tol=1e-12)
     # log scale: the trapezoid over ln x, divided by its range; the fractions are evenly spaced in
     # ln x (step 1.8), so it is the mean height with half weight at both ends
-    log = cmp.dpa_areas(disrupt, recover, scale="log")
+    log = igdpa.dpa_areas(disrupt, recover, scale="log")
     y = 100 - recover.mean(0)
     assert math.isclose(log["recover_aoc"], (y.sum() - (y[0] + y[-1]) / 2) / 9, rel_tol=1e-12)
-    flat = cmp.dpa_areas(np.full((2, 10), 30.0), np.full((2, 10), 30.0), scale="log")
+    flat = igdpa.dpa_areas(np.full((2, 10), 30.0), np.full((2, 10), 30.0), scale="log")
     assert math.isclose(flat["disturb_aoc"], 70.0) and math.isclose(flat["total"], 0.0, abs_tol=1e-12)
 
 
@@ -195,9 +195,9 @@ def test_atp_against_autograd_and_finite_differences(case):
     central difference for a few entries (coarse: transformers runs the eager softmax in float32)."""
     arch, model, ids, target = case
     n, S = len(blocks(model)), ids.shape[1]
-    atp = cmp.dpa_scores(model, ids, target, "atp")
-    logit = cmp.dpa_scores(model, ids, target, "grad_x_act")
-    weights = cmp.dpa_scores(model, ids, target, "activation")["edges"]
+    atp = igdpa.dpa_scores(model, ids, target, "atp")
+    logit = igdpa.dpa_scores(model, ids, target, "grad_x_act")
+    weights = igdpa.dpa_scores(model, ids, target, "activation")["edges"]
     add = torch.zeros(n, 1, HEADS, S, S, dtype=torch.float64, requires_grad=True)
     gate = torch.ones(n, 1, S, D_FF, dtype=torch.float64, requires_grad=True)
     with torch.enable_grad(), zeroed_by_hand(model, edge_add=add, neurons=gate):
@@ -218,7 +218,7 @@ def test_atp_against_autograd_and_finite_differences(case):
         assert math.isclose(float(atp["edges"][layer, head, query, key]), (probs[0] - probs[1]) / (2 * step),
                             rel_tol=2e-2)
     # the control: AtP on the last query row and position only
-    last = cmp.dpa_scores(model, ids, target, "atp_last")
+    last = igdpa.dpa_scores(model, ids, target, "atp_last")
     torch.testing.assert_close(last["edges"][:, :, -1], atp["edges"][:, :, -1], rtol=0, atol=0)
     torch.testing.assert_close(last["neurons"][:, -1], atp["neurons"][:, -1], rtol=0, atol=0)
     assert float(last["edges"][:, :, :-1].abs().max()) == 0 and float(last["neurons"][:, :-1].abs().max()) == 0
@@ -226,7 +226,7 @@ def test_atp_against_autograd_and_finite_differences(case):
 
 def test_activation_scores_are_the_models_own(case):
     arch, model, ids, target = case
-    scores = cmp.dpa_scores(model, ids, target, "activation")
+    scores = igdpa.dpa_scores(model, ids, target, "activation")
     eager = tiny_model(arch, seed=3 + ARCHS.index(arch), dtype=torch.float64)
     eager.set_attn_implementation("eager")
     acts = {}
@@ -246,7 +246,7 @@ def test_ig_lens_edges_add_up_to_head_shares(case):
     S = ids.shape[1]
     trace = ig.collect_components(model, torch.cat([ids, torch.tensor([[target]])], 1), S)
     for method, estimator in (("ig_lens", "prediction_aware"), ("ig_lens_gauss", "gauss_legendre")):
-        scores = cmp.dpa_scores(model, ids, target, method, steps=8)
+        scores = igdpa.dpa_scores(model, ids, target, method, steps=8)
         parts = ig.components(model, trace, steps=8, estimator=estimator)
         torch.testing.assert_close(scores["edges"][:, :, S - 1].sum(-1), parts.heads[0, :, :-1], rtol=0, atol=1e-9)
         torch.testing.assert_close(scores["neurons"][:, S - 1], parts.neurons[0, :, :-1], rtol=0, atol=1e-9)
@@ -258,7 +258,7 @@ def test_ig_lens_edges_add_up_to_head_shares(case):
 def test_exhaustive_and_random(case):
     arch, model, ids, target = case
     n, S = len(blocks(model)), ids.shape[1]
-    scores = cmp.dpa_scores(model, ids, target, "exhaustive", subset=6, seed=4)
+    scores = igdpa.dpa_scores(model, ids, target, "exhaustive", subset=6, seed=4)
     flat = torch.cat([scores["edges"].flatten(), scores["neurons"].flatten()])
     chosen = torch.nonzero(flat).flatten()
     assert 1 <= len(chosen) <= 6
@@ -269,36 +269,36 @@ def test_exhaustive_and_random(case):
         p = prob_by_hand(model, ids, target, edges=keep[:scores["edges"].numel()].view(n, 1, HEADS, S, S),
                          neurons=keep[scores["edges"].numel():].view(n, 1, S, D_FF))
         assert math.isclose(float(flat[index]), p_base - p, rel_tol=0, abs_tol=1e-10)
-    again = cmp.dpa_scores(model, ids, target, "random", seed=5)
-    first = cmp.dpa_scores(model, ids, target, "random", seed=5)
+    again = igdpa.dpa_scores(model, ids, target, "random", seed=5)
+    first = igdpa.dpa_scores(model, ids, target, "random", seed=5)
     torch.testing.assert_close(again["edges"], first["edges"], rtol=0, atol=0)
-    assert not torch.equal(cmp.dpa_scores(model, ids, target, "random", seed=6)["edges"], first["edges"])
+    assert not torch.equal(igdpa.dpa_scores(model, ids, target, "random", seed=6)["edges"], first["edges"])
 
 
 def test_bad_input(case):
     arch, model, ids, target = case
     scores = {"edges": None, "neurons": None}
     with pytest.raises(ValueError, match="mode must be one of .*disrupt.*'sideways'"):
-        cmp.dpa_ablation(model, ids, target, scores, mode="sideways")
+        igdpa.dpa_ablation(model, ids, target, scores, mode="sideways")
     with pytest.raises(ValueError, match=r"fractions must be .* in \[0, 1\].*1.5"):
-        cmp.dpa_ablation(model, ids, target, scores, fractions=[0.1, 1.5])
+        igdpa.dpa_ablation(model, ids, target, scores, fractions=[0.1, 1.5])
     with pytest.raises(ValueError, match=r"target must be a token id in 0\.\.96, got 97"):
-        cmp.dpa_ablation(model, ids, 97, scores)
+        igdpa.dpa_ablation(model, ids, 97, scores)
     with pytest.raises(ValueError, match=r"scores\['edges'\] must have shape \(3, 4, 9, 9\), got \(3, 4, 9\)"):
-        cmp.dpa_ablation(model, ids, target, {"edges": torch.zeros(3, 4, 9)})
+        igdpa.dpa_ablation(model, ids, target, {"edges": torch.zeros(3, 4, 9)})
     with pytest.raises(ValueError, match="scores must be a dict with keys"):
-        cmp.dpa_ablation(model, ids, target, {"heads": torch.zeros(3)})
+        igdpa.dpa_ablation(model, ids, target, {"heads": torch.zeros(3)})
     with pytest.raises(ValueError, match="must be finite"):
-        cmp.dpa_ablation(model, ids, target, {"neurons": torch.full((3, 9, 64), math.nan)})
+        igdpa.dpa_ablation(model, ids, target, {"neurons": torch.full((3, 9, 64), math.nan)})
     with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1 or None, got 0"):
-        cmp.dpa_ablation(model, ids, target, scores, batch_size=0)
+        igdpa.dpa_ablation(model, ids, target, scores, batch_size=0)
     with pytest.raises(ValueError, match=r"token ids must lie in 0\.\.96"):
-        cmp.dpa_ablation(model, ids + 200, target, scores)
+        igdpa.dpa_ablation(model, ids + 200, target, scores)
     with pytest.raises(ValueError, match="method must be one of .*'atp'.*'magic'"):
-        cmp.dpa_scores(model, ids, target, "magic")
+        igdpa.dpa_scores(model, ids, target, "magic")
     with pytest.raises(ValueError, match="subset must be an integer >= 1, got 0"):
-        cmp.dpa_scores(model, ids, target, "exhaustive", subset=0)
+        igdpa.dpa_scores(model, ids, target, "exhaustive", subset=0)
     with pytest.raises(ValueError, match=r"disrupt drops must have shape \(items, 10\), got \(1, 3\)"):
-        cmp.dpa_areas(np.zeros(3), np.zeros(10))
+        igdpa.dpa_areas(np.zeros(3), np.zeros(10))
     with pytest.raises(ValueError, match="scale"):
-        cmp.dpa_areas(np.zeros(10), np.zeros(10), scale="ln")
+        igdpa.dpa_areas(np.zeros(10), np.zeros(10), scale="ln")

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-import iglens_compare as cmp
+import iglens_baselines as igb
 import iglens_core as ig
 from conftest import random_trace, tiny_model
 
 
 def _dla_gap(model, trace):
     """max |block DLAs + rest - the model's own target logit| over the trace's tokens."""
-    values, rest = cmp.direct_logit_attribution(model, trace, return_rest=True)
+    values, rest = igb.direct_logit_attribution(model, trace, return_rest=True)
     with torch.no_grad():
         logits = model(trace.input_ids, use_cache=False).logits[0, trace.positions].double()
     own = logits.gather(-1, trace.targets[:, None])[:, 0]

@@ -9,6 +9,7 @@ import torch
 import iglens_core as ig
 import iglens_cli as igcli
 import iglens_data as igd
+import iglens_tables as igt
 import iglens_plot as igp
 from conftest import random_trace, tiny_model
 
@@ -244,7 +245,7 @@ def test_figures_name_the_quantity():
     for quantity, colour_bar, row in (("prob", "attribution (Δ probability)", "Δp="),
                                       ("logprob", "attribution (Δ log-probability (nats))", "Δ log p=")):
         attribution = ig.ig_lens(model, trace, quantity=quantity)
-        rebuilt = igd.attribution_from_frame(attribution.to_frame())
+        rebuilt = igt.attribution_from_frame(attribution.to_frame())
         for fig in (igp.plot_heatmap(attribution, tokens), igp.plot_heatmap(rebuilt, tokens, quantity=quantity)):
             found = labels(fig)
             assert colour_bar in found and any(row in text for text in found), found

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import iglens_core as ig
-import iglens_compare as cmp
+import iglens_causal as igc
+import iglens_stats as igs
 from conftest import ARCHS, random_trace, tiny_model
 
 
@@ -49,7 +50,7 @@ def test_patching_equals_spliced_full_reruns(arch, length_change):
     vocab = model.config.vocab_size
     corrupted = _corrupt(trace.input_ids, int(trace.positions[target]), seed=7, vocab=vocab,
                          length_change=length_change)
-    result = cmp.activation_patching(model, trace, corrupted, target=target, min_gap=0)
+    result = igc.activation_patching(model, trace, corrupted, target=target, min_gap=0)
     n = trace.n_layers
     y = int(trace.targets[target])
     assert result.probs.shape == (n + 1,)
@@ -72,7 +73,7 @@ def test_patching_float64_exact():
     model = tiny_model("llama", seed=2, dtype=torch.float64)
     trace = random_trace(model, seed=5)
     corrupted = _corrupt(trace.input_ids, int(trace.positions[0]), seed=1, vocab=model.config.vocab_size)
-    result = cmp.activation_patching(model, trace, corrupted, min_gap=0)
+    result = igc.activation_patching(model, trace, corrupted, min_gap=0)
     assert result.probs.dtype == torch.float64
     y = int(trace.targets[0])
     expected = [_spliced_probs(model, corrupted, layer, trace.hidden[layer, 0], y) for layer in range(trace.n_layers + 1)]
@@ -85,7 +86,7 @@ def test_clean_prompt_as_corruption_restores_nothing_to_restore(arch):
     model = tiny_model(arch, seed=1)
     trace = random_trace(model, seed=2)
     target = 3
-    result = cmp.activation_patching(model, trace, trace.input_ids[:, :int(trace.positions[target]) + 1],
+    result = igc.activation_patching(model, trace, trace.input_ids[:, :int(trace.positions[target]) + 1],
                                      target=target, min_gap=0)
     torch.testing.assert_close(result.probs, torch.full_like(result.probs, float(trace.model_probs[target])),
                                atol=2e-6, rtol=1e-5)
@@ -97,14 +98,14 @@ def test_restoration_half_against_loop():
     r = np.cumsum(rng.normal(0.05, 0.3, size=(50, 9)), -1)
     r[:, -1] = 1.0
     r[3] = np.nan
-    got = cmp.restoration_half(r, level=0.5)
+    got = igs.restoration_half(r, level=0.5)
     for row, value in zip(r, got):
         if np.isnan(row).all():
             assert value == -1
         else:
             assert value == next(k for k, x in enumerate(row) if x >= 0.5)
     assert len(set(got.tolist())) > 3  # varied rows: the comparison can fail
-    patched = cmp.Patching(probs=torch.tensor([0.1, 0.2, 0.5, 0.9]), p_clean=0.9, p_corrupted=0.1)
+    patched = igc.Patching(probs=torch.tensor([0.1, 0.2, 0.5, 0.9]), p_clean=0.9, p_corrupted=0.1)
     assert patched.half_layer() == 2
 
 
@@ -113,10 +114,10 @@ def test_patching_bad_input():
     trace = random_trace(model)
     ok = trace.input_ids[:, :5]
     with pytest.raises(ValueError, match="target"):
-        cmp.activation_patching(model, trace, ok, target=len(trace.targets))
+        igc.activation_patching(model, trace, ok, target=len(trace.targets))
     with pytest.raises(ValueError, match="corrupted_ids"):
-        cmp.activation_patching(model, trace, ok.float())
+        igc.activation_patching(model, trace, ok.float())
     with pytest.raises(ValueError, match="0..96"):
-        cmp.activation_patching(model, trace, ok + 200)
+        igc.activation_patching(model, trace, ok + 200)
     with pytest.raises(ValueError, match="level"):
-        cmp.restoration_half(np.zeros((2, 3)), level=0.0)
+        igs.restoration_half(np.zeros((2, 3)), level=0.0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import rankdata, spearmanr
 
-import iglens_compare as cmp
+import iglens_stats as igs
 import iglens_core as ig
 import iglens_data as igd
 from conftest import tiny_model
@@ -23,12 +23,12 @@ def _noisy(values, rng, relative=1e-9):
 def test_tied_ranks_equal_scipy_when_separated_and_tie_within_tolerance():
     rng = np.random.default_rng(0)
     x = _separated(rng, (6, 11))
-    assert (cmp.tied_ranks(x) == rankdata(x, axis=-1)).all()
+    assert (igs.tied_ranks(x) == rankdata(x, axis=-1)).all()
     # values closer than the tolerance share their average rank, as scipy does for exact ties
     flat = np.array([[1e-9, 3e-7, 2e-6, 0.4, 0.9, 5e-8]])   # a curve flat near 0, then rising
     want = rankdata(np.where(flat < 1e-5, 0.0, flat), axis=-1)
-    assert (cmp.tied_ranks(flat) == want).all()
-    assert np.isnan(cmp.tied_ranks(np.array([[0.1, np.nan, 0.2]]))).all()
+    assert (igs.tied_ranks(flat) == want).all()
+    assert np.isnan(igs.tied_ranks(np.array([[0.1, np.nan, 0.2]]))).all()
     tol = ig.tie_tolerance(flat)
     assert tol.shape == (1, 1) and tol[0, 0] == pytest.approx(ig.RANK_ATOL + ig.RANK_RTOL * np.ptp(flat))
 
@@ -41,16 +41,16 @@ def test_noise_and_shift_change_no_rank_top_k_onset_or_half():
         rising = np.cumsum(rng.uniform(0.01, 0.1, size=(4, 8)), -1)
         x = np.concatenate([flat, rising], -1)
         noisy, shifted = _noisy(x, rng), x + rng.uniform(-1, 1)
-        assert (cmp.tied_ranks(noisy) == cmp.tied_ranks(x)).all()
-        assert (cmp.tied_ranks(shifted) == cmp.tied_ranks(x)).all()
-        assert (cmp.top_indices(noisy, 5) == cmp.top_indices(x, 5)).all()
-        assert (cmp.tied_ranks(x)[:, :8] == 4.5).all()   # the flat stretch is one tie
+        assert (igs.tied_ranks(noisy) == igs.tied_ranks(x)).all()
+        assert (igs.tied_ranks(shifted) == igs.tied_ranks(x)).all()
+        assert (igs.top_indices(noisy, 5) == igs.top_indices(x, 5)).all()
+        assert (igs.tied_ranks(x)[:, :8] == 4.5).all()   # the flat stretch is one tie
         effects = rng.normal(size=x.shape)
-        assert (cmp.spearman_rows(noisy, effects) == cmp.spearman_rows(x, effects)).all()
-        assert (cmp.top1_agreement(noisy, effects) == cmp.top1_agreement(x, effects)).all()
-        np.testing.assert_array_equal(cmp.onset_beats_median(noisy, effects), cmp.onset_beats_median(x, effects))
+        assert (igs.spearman_rows(noisy, effects) == igs.spearman_rows(x, effects)).all()
+        assert (igs.top1_agreement(noisy, effects) == igs.top1_agreement(x, effects)).all()
+        np.testing.assert_array_equal(igs.onset_beats_median(noisy, effects), igs.onset_beats_median(x, effects))
         restoration = x / x[:, -1:]
-        assert (cmp.restoration_half(_noisy(restoration, rng)) == cmp.restoration_half(restoration)).all()
+        assert (igs.restoration_half(_noisy(restoration, rng)) == igs.restoration_half(restoration)).all()
         a = ig.Attribution(torch.from_numpy(np.diff(x, prepend=0.0, axis=-1)), list(range(1, 17)),
                            [f"L{j}" for j in range(1, 17)], torch.zeros(4), torch.from_numpy(x[:, -1]),
                            torch.zeros(4, 17), 0.0, torch.zeros(4), torch.zeros(4), "prediction_aware", 1, "zero")
@@ -61,17 +61,17 @@ def test_noise_and_shift_change_no_rank_top_k_onset_or_half():
 def test_spearman_rows_is_scipy_spearman_on_separated_rows():
     rng = np.random.default_rng(2)
     x, y = _separated(rng, (5, 9)), _separated(rng, (5, 9))
-    got = cmp.spearman_rows(x, y)
+    got = igs.spearman_rows(x, y)
     assert got == pytest.approx([spearmanr(a, b).statistic for a, b in zip(x, y)], abs=1e-12)
 
 
 def test_top_indices_is_argsort_when_separated_and_earliest_on_ties():
     rng = np.random.default_rng(3)
     x = _separated(rng, (3, 30))
-    assert (cmp.top_indices(x, 4) == np.argsort(-x, -1)[:, :4]).all()
-    assert cmp.top_indices(np.array([0.2, 0.7, 0.7 + 1e-7, 0.1]), 1).tolist() == [1]
+    assert (igs.top_indices(x, 4) == np.argsort(-x, -1)[:, :4]).all()
+    assert igs.top_indices(np.array([0.2, 0.7, 0.7 + 1e-7, 0.1]), 1).tolist() == [1]
     with pytest.raises(ValueError, match="k must be"):
-        cmp.top_indices(x, 31)
+        igs.top_indices(x, 31)
 
 
 def _cumulative_vs_level(model, trace):
@@ -82,10 +82,10 @@ def _cumulative_vs_level(model, trace):
 
 
 def _assert_same_spearman(curve, level, rng):
-    assert (cmp.tied_ranks(curve) == cmp.tied_ranks(level)).all()
+    assert (igs.tied_ranks(curve) == igs.tied_ranks(level)).all()
     for _ in range(3):
         effects = rng.normal(size=curve.shape)
-        np.testing.assert_array_equal(cmp.spearman_rows(curve, effects), cmp.spearman_rows(level, effects))
+        np.testing.assert_array_equal(igs.spearman_rows(curve, effects), igs.spearman_rows(level, effects))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3"])
@@ -121,11 +121,11 @@ def test_top_positive_skips_parts_tied_with_zero():
         x[live] = rng.uniform(0.05, 1.0, size=len(live))
         noisy = x + rng.normal(0, 1e-9, size=40)          # zeros become +-1e-9: rounding, not signal
         for k in (1, 5, 10):
-            top = cmp.top_positive(noisy, k)
+            top = igs.top_positive(noisy, k)
             expected = np.argsort(-x, kind="stable")[:min(k, len(live))]
             assert sorted(top.tolist()) == sorted(expected.tolist())
             assert (noisy[top] > 1e-5).all()
     with pytest.raises(ValueError, match="k must be"):
-        cmp.top_positive(np.zeros((2, 3)), 7)
+        igs.top_positive(np.zeros((2, 3)), 7)
     with pytest.raises(ValueError, match="without NaN"):
-        cmp.top_positive(np.array([1.0, np.nan]), 1)
+        igs.top_positive(np.array([1.0, np.nan]), 1)

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-import iglens_compare as cmp
+import iglens_baselines as igb
+import iglens_stats as igs
+import iglens_facts as igf
 import iglens_core as ig
 import iglens_plot as igp
 
@@ -13,15 +15,15 @@ def test_top_positive_ranks_a_grid_by_flat_index():
     rng = np.random.default_rng(0)
     values = rng.permutation(np.linspace(-1.0, 1.0, 60)).reshape(3, 4, 5)  # steps of 0.034
     want = np.argsort(-values.ravel())[:7]
-    assert cmp.top_positive(values, 7).tolist() == want.tolist()
-    block, head, source = np.unravel_index(cmp.top_positive(values, 1)[0], values.shape)
+    assert igs.top_positive(values, 7).tolist() == want.tolist()
+    block, head, source = np.unravel_index(igs.top_positive(values, 1)[0], values.shape)
     assert values[block, head, source] == values.max()
     # the most negative parts, by the same rule
-    assert cmp.top_positive(-values, 3).tolist() == np.argsort(values.ravel())[:3].tolist()
+    assert igs.top_positive(-values, 3).tolist() == np.argsort(values.ravel())[:3].tolist()
     # ties within the tolerance go to the lower flat index; parts tied with zero never come back
     grid = np.zeros((2, 3, 4))
     grid[1, 2, 3], grid[0, 1, 0], grid[1, 0, 0] = 0.5, 0.5 + 1e-7, 3e-6
-    assert cmp.top_positive(grid, 10).tolist() == [np.ravel_multi_index((0, 1, 0), grid.shape),
+    assert igs.top_positive(grid, 10).tolist() == [np.ravel_multi_index((0, 1, 0), grid.shape),
                                                    np.ravel_multi_index((1, 2, 3), grid.shape)]
 
 
@@ -29,14 +31,14 @@ def test_word_spans_finds_every_occurrence(packaged):
     _, tokenizer = packaged
     text = "Vietnam lies in Asia. The capital of vietnam is Hanoi, and Vietnam's"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    spans = cmp.word_spans(tokenizer, ids, "Vietnam")
+    spans = igf.word_spans(tokenizer, ids, "Vietnam")
     assert len(spans) == text.lower().count("vietnam") == 3
     for start, stop in spans:
         assert "vietnam" in tokenizer.decode(ids[start:stop]).lower()
         assert "vietnam" not in tokenizer.decode(ids[start + 1:stop]).lower()  # the span starts with it
         assert "vietnam" not in tokenizer.decode(ids[start:stop - 1]).lower()  # and ends with it
     assert [a for a, _ in spans] == sorted(a for a, _ in spans)
-    assert cmp.word_spans(tokenizer, ids, "Laos") == []
+    assert igf.word_spans(tokenizer, ids, "Laos") == []
 
 
 def test_source_map_figure_draws_the_map_and_the_totals():
@@ -78,7 +80,7 @@ def test_attention_norm_equals_eager_attention_by_hand(arch):
     model.set_attn_implementation("eager")
     ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(6))
     trace = ig.collect_components(model, ids, 6, sources=True)
-    got = cmp.attention_norm(model, trace)
+    got = igb.attention_norm(model, trace)
     value_name, cut, out_name = LAYOUT[arch]
     values = {}
     hooks = [block.get_submodule(value_name).register_forward_hook(
@@ -104,8 +106,8 @@ def test_source_dla_adds_up_to_head_dla(arch):
     model = tiny_model(arch, seed=7, dtype=torch.float64)
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(8))
     trace = ig.collect_components(model, ids, 5, sources=True)
-    per_source = cmp.component_dla(model, trace, resolution="source")
-    heads = cmp.component_dla(model, trace, resolution="head")
+    per_source = igb.component_dla(model, trace, resolution="source")
+    heads = igb.component_dla(model, trace, resolution="head")
     assert per_source.shape == (len(trace.targets), trace.n_layers, 4, ids.shape[1])
     assert float(per_source.abs().max()) > 1e-3
     torch.testing.assert_close(per_source.sum(-1), heads[..., :-1], atol=1e-10, rtol=0)
@@ -117,10 +119,10 @@ def test_restoration_last():
     rows = np.array([[0.9, 0.8, 0.6, 0.5 - 1e-7, 0.2, 0.0],   # falls below half after node 3 (tied)
                      [0.1, 0.2, 0.1, 0.0, 0.0, 0.0],          # never half
                      [0.0, 0.1, 0.3, 0.7, 0.9, 1.0]])         # rises: the last node
-    assert cmp.restoration_last(rows).tolist() == [3, -1, 5]
-    assert cmp.restoration_last(rows, 0.15).tolist() == [4, 1, 5]
+    assert igs.restoration_last(rows).tolist() == [3, -1, 5]
+    assert igs.restoration_last(rows, 0.15).tolist() == [4, 1, 5]
     with pytest.raises(ValueError, match="level"):
-        cmp.restoration_last(rows, 0.0)
+        igs.restoration_last(rows, 0.0)
 
 
 def _grid(S=7, n=5, subject=3, last_half=2, seed=0):
@@ -139,7 +141,7 @@ def test_source_route_scores_on_a_constructed_item():
     parts[2, 2, subject] = 0.10    # from the subject: block 3 (the trace's block: node 2 + 1)
     parts[1, 0, subject] = 0.10 - 1e-8  # tied with it: the earlier block wins
     parts[0, 0, 0] = -0.05
-    scores = cmp.source_route_scores(parts, _grid(S, n, subject, last_half=2), subject)
+    scores = igs.source_route_scores(parts, _grid(S, n, subject, last_half=2), subject)
     assert (scores["top_block"], scores["top_head"], scores["top_source"]) == (5, 1, S - 1)
     assert scores["top_from_last"] == 1.0 and scores["top_from_subject"] == 0.0
     assert (scores["subject_block"], scores["trace_block"]) == (2.0, 3.0)
@@ -155,13 +157,13 @@ def test_source_route_scores_on_a_constructed_item():
     parts[:, :, subject] = 1e-7
     r = _grid(S, n, subject, 2)
     r[subject] = 0.2
-    empty = cmp.source_route_scores(parts, r, subject)
+    empty = igs.source_route_scores(parts, r, subject)
     assert empty["names_subject_block"] == 0.0 and np.isnan(empty["subject_block"])
     assert np.isnan(empty["trace_block"]) and np.isnan(empty["distance"]) and np.isnan(empty["within2"])
     with pytest.raises(ValueError, match="subject must be"):
-        cmp.source_route_scores(parts, r, S - 1)
+        igs.source_route_scores(parts, r, S - 1)
     with pytest.raises(ValueError, match="restoration"):
-        cmp.source_route_scores(parts, r[:, :-1], subject)
+        igs.source_route_scores(parts, r[:, :-1], subject)
 
 
 def test_source_vs_trace_figure_draws_both_grids():

@@ -1,0 +1,497 @@
+"""Dual Path Attribution's ablation benchmark (notebook 10), and every method's scores on it.
+
+A peer's benchmark (DPA, arXiv 2603.19742, lab-paper-code/dual_path_attribution,
+experiments/ablation/ablation_pipe.py): every attention edge (block, head, query, key) and every MLP
+neuron (block, position, neuron) of one item, ranked together by a method's score; zero the top
+fraction x ("disrupt") or all but it ("recover") and read the target's probability at the last
+position. One machinery serves the ablation and the gradient baselines: multiplicative gates on the
+post-softmax attention weights and on the down projection's input (1 = as the model computes it,
+0 = zeroed; d p / d gate = activation x gradient).
+
+Imports :mod:`iglens_core` and :mod:`iglens_baselines` and holds, in reading order: the protocol
+(``dpa_order``, ``dpa_ablation``, ``dpa_areas``, ``dpa_kept``) and the methods' scores for the same
+items (``dpa_scores``: IG-Lens, AtP, gradient x activation, activation, random, exhaustive).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, collect_components, components, eager_attention,
+                         get_adapter, head_counts, logits_at_end, projection_weight, sublayer_module,
+                         sublayer_projection)
+from iglens_baselines import frozen_parameters
+
+
+# A peer's benchmark (DPA, arXiv 2603.19742, lab-paper-code/dual_path_attribution,
+# experiments/ablation/ablation_pipe.py): every attention edge (block, head, query, key) and every
+# MLP neuron (block, position, neuron) of one item, ranked together by a method's score; zero the
+# top fraction x ("disrupt") or all but it ("recover") and read the target's probability at the
+# last position. One machinery serves the ablation and the gradient baselines: multiplicative
+# gates on the post-softmax attention weights and on the down projection's input (1 = as the
+# model computes it, 0 = zeroed; d p / d gate = activation x gradient).
+
+DPA_MODES = ("disrupt", "recover")
+DPA_FRACTIONS = tuple(math.exp(-17.0 + 1.8 * i) for i in range(10))  # exp(-17), exp(-15.2), ..., exp(-0.8)
+# the curves' fixed end points in the original's plot_ablation_results.ipynb (x, y)
+DPA_ANCHORS = {"disrupt": ((1e-10, 100.0),), "recover": ((1e-6, 0.0), (1.0, 100.0))}
+DPA_RANK_RTOL = 1e-6  # scores closer than this times the item's largest |score| are tied
+DPA_METHODS = ("ig_lens", "ig_lens_gauss", "atp", "atp_last", "grad_x_act", "activation", "random",
+               "exhaustive")
+
+
+def dpa_layout(model) -> tuple[int, int, int]:
+    """``(n, H, d_ff)``: blocks, attention heads (query heads under GQA) and MLP neurons."""
+    adapter = get_adapter(model)
+    d_ff = projection_weight(sublayer_projection(adapter.blocks[0], "mlp")[0])[0].shape[1]
+    return adapter.n_layers, head_counts(model)[0], int(d_ff)
+
+
+@contextmanager
+def _gates(model, edges=None, neurons=None, record: Optional[dict] = None):
+    """Run the model with gated attention weights and MLP activations (eager attention).
+
+    For the duration, block L's post-softmax attention weights ``A`` (B, H, S, S) become
+    ``A * edges[L]`` (no renormalisation; the heads' outputs are recomputed as ``(A * gate) @ v``,
+    values of the shared key/value head under GQA), and its down projection's input ``act``
+    (B, S, d_ff) (the gated unit ``act_fn(gate) * up``, GPT-2's ``act_fn`` output) becomes
+    ``act * neurons[L]``; a None entry (or list) leaves that block as it is.
+
+    Route: the core's :func:`iglens_core.eager_attention` switches the model to its eager
+    attention, and the modeling module's ``eager_attention_forward`` (what transformers 5.x
+    attention modules call for ``"eager"``; looked up at call time) is wrapped for the duration.
+    The wrapper checks that the weights rebuild the eager output (``A @ v``) and that every gated
+    block was reached; else a ValueError names the architecture.
+
+    Args:
+        edges, neurons: per block, a gate broadcastable to (B, H, S, S) / (B, S, d_ff), or None.
+        record: if a dict, gets ``"weights"`` and ``"acts"``: per block the ungated tensors.
+    """
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    edges, neurons = edges or [None] * n, neurons or [None] * n
+    attentions = [sublayer_module(block, "attn") for block in adapter.blocks]
+    index = {id(module): layer for layer, module in enumerate(attentions)}
+    reached = set()
+    if record is not None:
+        record.update(weights=[None] * n, acts=[None] * n)
+
+    def gate_neurons(layer):
+        def hook(module, args):
+            if record is not None:
+                record["acts"][layer] = args[0]
+            if neurons[layer] is None:
+                return None
+            return (args[0] * neurons[layer].to(args[0]),) + tuple(args[1:])
+        return hook
+
+    def wrap(original):
+        def eager(module, query, key, value, attention_mask, *args, **kwargs):
+            out, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
+            layer = index.get(id(module))
+            if layer is None:
+                return out, weights
+            reached.add(layer)
+            if record is not None:
+                record["weights"][layer] = weights
+            if edges[layer] is None:
+                return out, weights
+            values = value[:, torch.arange(weights.shape[1], device=value.device)
+                           // (weights.shape[1] // value.shape[1])]  # (B, H, S, hd) repeat_kv
+            with torch.no_grad():
+                rebuilt = torch.matmul(weights, values).transpose(1, 2)
+                same = torch.allclose(rebuilt, out, rtol=1e-3, atol=1e-4 * float(out.abs().max()) + 1e-6)
+            if not same:
+                raise ValueError(f"{type(module).__name__}: the eager attention output is not A @ v; "
+                                 "its weights cannot be gated here (an unsupported architecture?)")
+            weights = weights * edges[layer].to(weights)
+            return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
+        return eager
+
+    patched, hooks = [], []
+    try:
+        if any(gate is not None for gate in edges) or record is not None:
+            for name in {type(module).__module__ for module in attentions}:
+                modeling = sys.modules[name]
+                original = getattr(modeling, "eager_attention_forward", None)
+                if original is None:
+                    raise ValueError(f"{name} has no eager_attention_forward: attention weights cannot be "
+                                     "gated for this architecture")
+                setattr(modeling, "eager_attention_forward", wrap(original))
+                patched.append((modeling, original))
+        for layer, block in enumerate(adapter.blocks):
+            if neurons[layer] is not None or record is not None:
+                hooks.append(sublayer_projection(block, "mlp")[0].register_forward_pre_hook(gate_neurons(layer)))
+        with eager_attention(model):
+            yield
+        missing = [layer + 1 for layer in range(n) if (edges[layer] is not None or record is not None)
+                   and layer not in reached]
+        if missing:
+            raise ValueError(f"the attention of blocks {missing[:5]} never called eager_attention_forward: "
+                             "attention weights cannot be gated for this architecture")
+    finally:
+        for modeling, original in patched:
+            setattr(modeling, "eager_attention_forward", original)
+        for hook in hooks:
+            hook.remove()
+
+
+def _dpa_item(model, input_ids, target) -> tuple[torch.Tensor, int]:
+    """Validate one item: ``(input_ids (1, S) long on the model's device, target)``."""
+    ids = torch.as_tensor(input_ids)
+    ids = ids[None] if ids.dim() == 1 else ids
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype.is_floating_point:
+        raise ValueError(f"input_ids must be (1, S) integer token ids with S >= 1, got shape "
+                         f"{tuple(ids.shape)} and dtype {ids.dtype}")
+    if not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+        raise ValueError(f"token ids must lie in 0..{vocab - 1} (the model's vocabulary), got "
+                         f"{ids[(ids < 0) | (ids >= vocab)].unique()[:5].tolist()}")
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < vocab:
+        raise ValueError(f"target must be a token id in 0..{vocab - 1}, got {target!r}")
+    return ids.long().to(next(model.parameters()).device), int(target)
+
+
+def _dpa_flat_scores(scores: dict, n: int, H: int, S: int, d_ff: int) -> np.ndarray:
+    """(n H S S + n S d_ff,) float64: the edge scores then the neuron scores, C order; a missing
+    entry (key absent or None) scores 0."""
+    if not isinstance(scores, dict) or not set(scores) <= {"edges", "neurons"}:
+        raise ValueError(f"scores must be a dict with keys 'edges' and/or 'neurons', got "
+                         f"{sorted(scores) if isinstance(scores, dict) else type(scores).__name__}")
+    parts = []
+    for key, shape in (("edges", (n, H, S, S)), ("neurons", (n, S, d_ff))):
+        value = scores.get(key)
+        value = np.zeros(shape) if value is None else np.asarray(torch.as_tensor(value, dtype=torch.float64).cpu())
+        if value.shape != shape:
+            raise ValueError(f"scores[{key!r}] must have shape {shape}, got {value.shape}")
+        if not np.isfinite(value).all():
+            raise ValueError(f"scores[{key!r}] must be finite, got {int((~np.isfinite(value)).sum())} "
+                             "NaN or infinite entries")
+        parts.append(value.ravel())
+    return np.concatenate(parts)
+
+
+def dpa_order(scores, *, ties: str = "random", seed: int = 0) -> np.ndarray:
+    """(N,) component indices by signed score, descending; ties in a seeded random order.
+
+    Scores closer than ``DPA_RANK_RTOL`` (1e-6) times the largest |score| are tied (single
+    linkage along the sorted values, as :func:`tied_ranks`): the float32 rounding of a score is
+    ~1e-7 of the terms it is summed from, so two scores that differ only by the float path (another
+    machine or thread count) are one tie group. A score summed from terms much larger than itself
+    (a gradient with cancellation) can round by more and still swap with a neighbour: between 1 and
+    2 threads that moved notebook 10's full-run areas by up to 0.2. The tolerance is relative, not
+    :func:`iglens_core.tie_tolerance`: the methods' scores live on scales from probability
+    gradients (1e-8) to activation norms (1e2), where an absolute floor would tie all or none.
+
+    Inside a tie group, ``ties="random"`` orders the components by a fixed permutation drawn from
+    ``seed`` (numpy's PCG64: the same on every machine), so a method that leaves most components
+    unscored (0) keeps a random set of them, as the random baseline would, whichever they are;
+    ``ties="index"`` keeps the lower flat index first (edges before neurons, then block, head,
+    query, key / block, position, neuron), which hands those slots to all the edges and the early
+    blocks' neurons. The original breaks ties by an unstable bfloat16 argsort (no defined order).
+
+    Args:
+        scores: (N,) flat scores, e.g. edges then neurons.
+        ties: ``"random"`` or ``"index"``.
+        seed: the permutation's seed (integer >= 0), for ``ties="random"``.
+    """
+    if ties not in ("random", "index"):
+        raise ValueError(f"ties must be 'random' or 'index', got {ties!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    x = np.asarray(scores, dtype=np.float64).ravel()
+    order = np.argsort(-x, kind="stable")
+    tolerance = DPA_RANK_RTOL * (np.abs(x).max() if x.size else 0.0)
+    group = np.concatenate([[0], np.cumsum(-np.diff(x[order]) > tolerance)])
+    key = order if ties == "index" else np.random.default_rng(seed).permutation(x.size)[order]
+    return order[np.lexsort((key, group))]
+
+
+def _zeroed_probs(model, ids: torch.Tensor, target: int, zero: np.ndarray, layout, batch_size: Optional[int],
+                  memory_budget: int) -> torch.Tensor:
+    """(R,) float64 target probabilities at the last position, one row per row of ``zero`` (R, N)
+    bool (True = that component zeroed), rows batched per forward pass."""
+    n, H, d_ff = layout
+    S = ids.shape[1]
+    width = next(model.parameters()).element_size()
+    per_row = width * (4 * H * S * S + S * (4 * d_ff + 16 * model.config.hidden_size)) + zero.shape[1]
+    batch = batch_size or max(1, min(len(zero), memory_budget // per_row))
+    edges_at = n * H * S * S
+    out = []
+    for start in range(0, len(zero), batch):
+        rows = torch.from_numpy(~zero[start:start + batch])  # (B, N) True = kept
+        edges = rows[:, :edges_at].view(-1, n, H, S, S)
+        neurons = rows[:, edges_at:].view(-1, n, S, d_ff)
+        edge_gates = [None if bool(edges[:, layer].all()) else edges[:, layer].to(ids.device) for layer in range(n)]
+        neuron_gates = [None if bool(neurons[:, layer].all()) else neurons[:, layer].to(ids.device) for layer in range(n)]
+        with _gates(model, edge_gates, neuron_gates):
+            logits = logits_at_end(model, 1, input_ids=ids.expand(len(rows), -1))[:, -1]
+        out.append(torch.softmax(logits.double(), -1)[:, target].cpu())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "disrupt",
+                 fractions: Optional[Sequence[float]] = None, ties: str = "random", seed: int = 0,
+                 batch_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> np.ndarray:
+    """Dual Path Attribution's component ablation for one item: relative drops in percent.
+
+    Components: every attention edge (block, head, query position, key position), ablated by
+    setting that post-softmax weight to 0 with no renormalisation, and every MLP neuron (block,
+    position, neuron), ablated by setting its activation (the input of the down projection: the
+    gated unit's ``act_fn(gate) * up``, which is 0 exactly when the original's ``act_fn`` output
+    is) to 0. All ``N = n H S^2 + n S d_ff`` of them (edges above the diagonal included, as in the
+    original's count) are ranked together by the signed score, descending, tied scores in a seeded
+    random order (:func:`dpa_order`).
+    For each fraction x, ``k = ceil(N x)``: ``"disrupt"`` zeroes the top k, ``"recover"`` all but
+    the top k. The result is ``(p_base - p_x) / p_base * 100`` with p the target's probability at
+    the last position (the model's own logits, soft-capping included).
+
+    The unablated row and every fraction's row go through the model together, batched per
+    forward pass (``batch_size`` rows, default: as many as ``memory_budget`` allows; 11 rows of a
+    short prompt fit in one pass of the packaged models).
+
+    Departures from the original (ablation_pipe.py, nnsight, bfloat16, batches of padded items):
+    p is read from the model's final logits after Gemma's final soft-capping (the original reads
+    ``lm_head``'s output, before it); scores are float64, equal within a tolerance and then ordered
+    by a seeded permutation, not by an unstable bfloat16 argsort; the model runs in its own dtype (float32
+    here) with eager attention (required: the weights exist only there; switched back afterwards);
+    under GQA an edge is a query head's weight (the original's layout, H = num_attention_heads),
+    its value the shared key/value head's; sliding windows and attention soft-capping act before
+    the softmax, so they are kept as the model computes them; one unpadded item per call, so the
+    whole sequence is the "context" in recover.
+
+    Args:
+        model: a causal LM whose attention calls its modeling module's ``eager_attention_forward``
+            (Llama, Gemma 2/3, Qwen, Mistral, ...).
+        input_ids: (1, S) or (S,) the prompt; the target is predicted after its last token.
+        target: the target token id.
+        scores: ``{"edges": (n, H, S, S), "neurons": (n, S, d_ff)}`` (torch or numpy); a missing
+            key or None scores every such component 0.
+        mode: ``"disrupt"`` or ``"recover"``.
+        fractions: values in [0, 1]; default :data:`DPA_FRACTIONS` (exp(-17), exp(-15.2), ...,
+            exp(-0.8), 10 points).
+        ties, seed: the order of tied scores (:func:`dpa_order`); ``"random"`` with the same seed
+            for every method of an item, so methods that leave the same components unscored keep
+            the same ones.
+        batch_size: rows per forward pass (>= 1), or None.
+
+    Returns:
+        (F,) float64 relative drops in percent, one per fraction (0: p unchanged; 100: p -> 0;
+        negative: p rose).
+    """
+    if mode not in DPA_MODES:
+        raise ValueError(f"mode must be one of {DPA_MODES}, got {mode!r}")
+    fractions = np.asarray(DPA_FRACTIONS if fractions is None else fractions, dtype=np.float64)
+    if fractions.ndim != 1 or not fractions.size or not ((fractions >= 0) & (fractions <= 1)).all():
+        raise ValueError(f"fractions must be a non-empty 1-D sequence of values in [0, 1], got {fractions}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    ids, target = _dpa_item(model, input_ids, target)
+    layout = dpa_layout(model)
+    flat = _dpa_flat_scores(scores, layout[0], layout[1], ids.shape[1], layout[2])
+    rank = np.empty(flat.size, dtype=np.int64)
+    rank[dpa_order(flat, ties=ties, seed=seed)] = np.arange(flat.size)
+    counts = np.ceil(flat.size * fractions)  # (F,) components in the top x
+    top = rank[None, :] < counts[:, None]  # (F, N)
+    zero = np.concatenate([np.zeros((1, flat.size), bool), top if mode == "disrupt" else ~top])
+    probs = _zeroed_probs(model, ids, target, zero, layout, batch_size, memory_budget)
+    return ((probs[0] - probs[1:]) / probs[0] * 100).numpy()
+
+
+def dpa_areas(disrupt, recover, fractions: Optional[Sequence[float]] = None, *, anchors: bool = True,
+              scale: str = "linear") -> dict:
+    """DPA's curve areas: ``y(x) = 100 - mean over items`` of the drops, trapezoid on linear x.
+
+    ``disturb_aoc`` (lower is better: removing the top components destroys the prediction),
+    ``recover_aoc`` (higher is better: the top components alone keep it) and
+    ``total = recover_aoc - disturb_aoc``. With ``anchors`` the curves get the original's fixed
+    end points (plot_ablation_results.ipynb, :data:`DPA_ANCHORS`): (1e-10, 100) for disrupt,
+    (1e-6, 0) and (1, 100) for recover, so the numbers are comparable with the paper's tables.
+
+    On linear x the areas are set by the two largest fractions (exp(-2.6), exp(-0.8)) and the
+    anchors; ``scale="log"`` (not the original's) gives every fraction the same weight: the
+    trapezoid over ``ln x`` divided by its range, the curve's mean height in percent (0..100 when
+    p only falls), without anchors.
+
+    Args:
+        disrupt, recover: (items, F) or (F,) drops in percent from :func:`dpa_ablation` (NaN
+            entries are left out of the mean).
+        fractions: the F fractions; default :data:`DPA_FRACTIONS`.
+        scale: ``"linear"`` (the original) or ``"log"``.
+
+    Returns:
+        ``{"disturb_aoc", "recover_aoc", "total"}`` floats.
+    """
+    if scale not in ("linear", "log"):
+        raise ValueError(f"scale must be 'linear' or 'log', got {scale!r}")
+    x = np.asarray(DPA_FRACTIONS if fractions is None else fractions, dtype=np.float64)
+    if scale == "log" and (x.size < 2 or (x <= 0).any()):
+        raise ValueError(f"scale='log' needs at least two fractions, all > 0, got {x}")
+    out = {}
+    for name, mode, drops in (("disturb_aoc", "disrupt", disrupt), ("recover_aoc", "recover", recover)):
+        drops = np.atleast_2d(np.asarray(drops, dtype=np.float64))
+        if drops.ndim != 2 or drops.shape[1] != x.size:
+            raise ValueError(f"{mode} drops must have shape (items, {x.size}), got {drops.shape}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            points = list(zip(x, 100.0 - np.nanmean(drops, 0)))
+        if scale == "linear":
+            xs, ys = np.array(sorted(points + list(DPA_ANCHORS[mode] if anchors else ()))).T
+            out[name] = float(np.trapezoid(ys, xs))
+        else:
+            xs, ys = np.array(sorted(points)).T
+            out[name] = float(np.trapezoid(ys, np.log(xs)) / np.log(xs[-1] / xs[0]))
+    out["total"] = out["recover_aoc"] - out["disturb_aoc"]
+    return out
+
+
+# -- the methods' scores for the same items ----------------------------------------------------
+
+def _empty_scores(n: int, H: int, S: int, d_ff: int) -> dict:
+    return {"edges": torch.zeros(n, H, S, S, dtype=torch.float64),
+            "neurons": torch.zeros(n, S, d_ff, dtype=torch.float64)}
+
+
+def _gate_gradients(model, ids: torch.Tensor, target: int, quantity: str) -> tuple[dict, dict]:
+    """Activation x gradient of every edge and neuron, from one forward and one backward pass.
+
+    With unit gates ``g`` on the attention weights and activations (:func:`_gates`),
+    ``d f / d g = a * d f / d a`` for each component's activation a: exactly the zero-baseline
+    attribution patching estimate of removing it (with the sign flipped: positive = it helps f).
+
+    Args:
+        quantity: ``"prob"`` (f = p(target) at the last position) or ``"logit"`` (its logit, after
+            any soft-cap).
+
+    Returns:
+        ``(scores, activations)``: scores as :func:`dpa_ablation` takes them, float64, and the
+        ungated attention weights (n, H, S, S) and activations (n, S, d_ff) as ``"edges"`` /
+        ``"neurons"``.
+    """
+    n, H, d_ff = dpa_layout(model)
+    S, param = ids.shape[1], next(model.parameters())
+    edges = [torch.ones(1, H, S, S, dtype=param.dtype, device=ids.device, requires_grad=True) for _ in range(n)]
+    neurons = [torch.ones(1, S, d_ff, dtype=param.dtype, device=ids.device, requires_grad=True) for _ in range(n)]
+    record: dict = {}
+    with torch.enable_grad(), frozen_parameters(model), _gates(model, edges, neurons, record):
+        logits = logits_at_end(model, 1, input_ids=ids)[0, -1]
+        value = torch.softmax(logits.double(), -1)[target] if quantity == "prob" else logits[target]
+        grads = torch.autograd.grad(value, edges + neurons)
+    scores = {"edges": torch.cat(grads[:n]).double().cpu(), "neurons": torch.cat(grads[n:]).double().cpu()}
+    activations = {"edges": torch.cat(record["weights"]).detach().double().cpu(),
+                   "neurons": torch.cat(record["acts"]).detach().double().cpu()}
+    return scores, activations
+
+
+def _exhaustive_scores(model, ids: torch.Tensor, target: int, subset: int, seed: int, batch_size: Optional[int],
+                       memory_budget: int) -> dict:
+    """``p_base - p`` with one component zeroed, for ``subset`` components drawn (seeded) from the
+    edges at or below the diagonal and the neurons; every other component scores 0."""
+    n, H, d_ff = layout = dpa_layout(model)
+    S = ids.shape[1]
+    scores = _empty_scores(n, H, S, d_ff)
+    causal = torch.ones(S, S, dtype=torch.bool).tril().expand(n, H, S, S).flatten()
+    pool = np.concatenate([np.flatnonzero(causal.numpy()), causal.numel() + np.arange(n * S * d_ff)])
+    chosen = np.sort(np.random.default_rng(seed).choice(pool, size=min(subset, pool.size), replace=False))
+    zero = np.zeros((len(chosen) + 1, causal.numel() + n * S * d_ff), bool)
+    zero[np.arange(1, len(chosen) + 1), chosen] = True  # row 0: nothing zeroed
+    probs = _zeroed_probs(model, ids, target, zero, layout, batch_size, memory_budget)
+    flat = torch.cat([scores["edges"].flatten(), scores["neurons"].flatten()])
+    flat[torch.from_numpy(chosen)] = probs[0] - probs[1:]
+    return {"edges": flat[:causal.numel()].view(n, H, S, S), "neurons": flat[causal.numel():].view(n, S, d_ff)}
+
+
+def _ig_lens_scores(model, ids: torch.Tensor, target: int, estimator: str, steps: int, quantity: str,
+                    readout: Optional[Readout]) -> dict:
+    """IG-Lens at the predicting position: (block, head, source) shares as the edges of the last
+    query row, neuron shares at the last position; every other component scores 0."""
+    n, H, d_ff = dpa_layout(model)
+    S = ids.shape[1]
+    full = torch.cat([ids.cpu(), torch.tensor([[target]])], 1)  # the target teacher-forced after the prompt
+    trace = collect_components(model, full, S, sources=True)
+    parts = components(model, trace, resolution="all", steps=steps, estimator=estimator, readout=readout,
+                       quantity=quantity)
+    scores = _empty_scores(n, H, S, d_ff)
+    scores["edges"][:, :, S - 1, :] = parts.sources[0, :, :, :S].double()
+    scores["neurons"][:, S - 1, :] = parts.neurons[0, :, :-1].double()  # the bias is not a component
+    return scores
+
+
+@torch.no_grad()
+def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, steps: int = 16,
+               quantity: str = "prob", subset: int = 128, readout: Optional[Readout] = None,
+               batch_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> dict:
+    """A method's score of every attention edge and MLP neuron of one item, for :func:`dpa_ablation`.
+
+    Methods (:data:`DPA_METHODS`), higher = more important for the target:
+
+    - ``"ig_lens"`` / ``"ig_lens_gauss"``: IG-Lens components (prediction-aware / Gauss-Legendre,
+      ``steps`` points per segment, ``quantity`` its readout) at the predicting position only:
+      each (block, head, source position) share is the score of the edge (block, head, last query,
+      source), each neuron's share that of the neuron at the last position; the other positions'
+      components score 0 (IG-Lens does not attribute them). The edge scores of a head add up to its
+      share. One forward pass plus the readout's closed-form gradients; no backward.
+    - ``"atp"``: attribution patching with a zero baseline, ``a * d p(target) / d a`` for every
+      attention weight and every activation at every position (one forward, one backward).
+    - ``"atp_last"``: the same restricted to the last query row and the last position, a control
+      for IG-Lens's restriction.
+    - ``"grad_x_act"``: ``a * d logit(target) / d a`` (the original's AtP, on the logit).
+    - ``"activation"``: the attention weight for an edge, ``|a|`` for a neuron (one ranking over
+      two scales, as the original's attn_act and mlp_act pooled).
+    - ``"random"``: standard normal draws (``seed``).
+    - ``"exhaustive"``: the drop ``p_base - p`` when one component alone is zeroed, for ``subset``
+      components drawn (``seed``) from the edges at or below the diagonal and the neurons; the
+      rest score 0. A reference ceiling on that subset only; ``subset + 1`` rows of forward passes.
+
+    Returns:
+        ``{"edges": (n, H, S, S), "neurons": (n, S, d_ff)}`` float64 on the CPU; for the edges,
+        ``[block, head, query, key]``.
+    """
+    if method not in DPA_METHODS:
+        raise ValueError(f"method must be one of {DPA_METHODS}, got {method!r}")
+    for name, value, low in (("seed", seed, 0), ("steps", steps, 1), ("subset", subset, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    ids, target = _dpa_item(model, input_ids, target)
+    n, H, d_ff = dpa_layout(model)
+    S = ids.shape[1]
+    if method in ("ig_lens", "ig_lens_gauss"):
+        return _ig_lens_scores(model, ids, target, "prediction_aware" if method == "ig_lens" else "gauss_legendre",
+                               steps, quantity, readout)
+    if method == "random":
+        rng = np.random.default_rng(seed)
+        return {"edges": torch.from_numpy(rng.standard_normal((n, H, S, S))),
+                "neurons": torch.from_numpy(rng.standard_normal((n, S, d_ff)))}
+    if method == "exhaustive":
+        return _exhaustive_scores(model, ids, target, subset, seed, batch_size, memory_budget)
+    if method == "activation":
+        record: dict = {}
+        with _gates(model, record=record):
+            model(ids, use_cache=False)
+        return {"edges": torch.cat(record["weights"]).double().cpu(),
+                "neurons": torch.cat(record["acts"]).double().abs().cpu()}
+    scores = _gate_gradients(model, ids, target, "logit" if method == "grad_x_act" else "prob")[0]
+    if method == "atp_last":
+        scores["edges"][:, :, :S - 1] = 0
+        scores["neurons"][:, :S - 1] = 0
+    return scores
+
+
+def dpa_kept(model, tokenizer, input_ids, target: int, *, min_prob: float = 0.1) -> tuple[bool, float]:
+    """The original's item filter: ``(kept, p)``, kept when the model's arg-max at the last position
+    is the target, ``p(target) > min_prob`` and the target's text is longer than one character."""
+    ids, target = _dpa_item(model, input_ids, target)
+    with torch.no_grad():
+        probs = torch.softmax(logits_at_end(model, 1, input_ids=ids)[0, -1].double(), -1)
+    p = float(probs[target])
+    text = tokenizer.decode([target]) if tokenizer is not None else "xx"
+    return bool(int(probs.argmax()) == target and p > min_prob and len(text) > 1), p

@@ -1,0 +1,230 @@
+"""The dataset's tables on disk: the input file read into items, and the results written as shards.
+
+Imports :mod:`iglens_core` and holds what :func:`iglens_data.attribute_dataset` reads and writes:
+:func:`read_items` (a ``.csv``, ``.tsv``, ``.json``, ``.jsonl`` or ``.parquet`` file, or a DataFrame,
+as a table of row, id, prompt, answer, foil; every malformed file a ValueError naming it), parquet
+shards written atomically (:func:`write_shard`) and merged once every rank is done
+(:func:`merge_shards`), the paths of the errors and parts tables beside the results, and
+:func:`attribution_from_frame` (one item's attribution rebuilt from its rows, e.g. to draw it again).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from iglens_core import Attribution
+
+
+DATASET_FORMATS = (".csv", ".tsv", ".json", ".jsonl", ".parquet")
+
+
+def _read_table(path: Path):
+    """The file at ``path`` as a DataFrame of its columns, read by its extension (see
+    :data:`DATASET_FORMATS`); text formats must be UTF-8. Every failure is a ValueError naming
+    the file."""
+    import io
+    import json
+    import pandas as pd
+    suffix = path.suffix.lower()
+    if suffix not in DATASET_FORMATS:
+        raise ValueError(f"dataset {str(path)!r}: unknown extension {path.suffix!r}, expected one of "
+                         f"{', '.join(DATASET_FORMATS)}")
+    if suffix == ".parquet":
+        try:
+            return pd.read_parquet(path)
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"dataset {str(path)!r} is not a readable parquet file: {err}") from None
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark is allowed
+    except UnicodeDecodeError as err:
+        raise ValueError(f"dataset {str(path)!r} is not UTF-8: byte {raw[err.start]:#04x} at offset "
+                         f"{err.start} (e.g. Latin-1); re-save it as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"dataset {str(path)!r} is empty")
+    if suffix in (".csv", ".tsv"):
+        try:
+            return pd.read_csv(io.StringIO(text), sep="," if suffix == ".csv" else "\t", dtype=str,
+                               keep_default_na=False)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+            raise ValueError(f"dataset {str(path)!r} is not valid {suffix[1:].upper()}: {err}") from None
+    try:
+        records = (json.loads(text) if suffix == ".json"
+                   else [json.loads(line) for line in text.splitlines() if line.strip()])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"dataset {str(path)!r} is not valid {'JSON' if suffix == '.json' else 'JSON Lines'}: "
+                         f"{err}") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        found = type(records).__name__ if not isinstance(records, list) else "a list holding non-objects"
+        raise ValueError(f"dataset {str(path)!r} must hold a list of records (JSON objects, one per "
+                         f"item{'' if suffix == '.json' else ', one per line'}), found {found}")
+    return pd.DataFrame.from_records(records)
+
+
+def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[str] = None,
+               id_column: Optional[str] = None, foil_column: Optional[str] = None) -> "pd.DataFrame":
+    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``, ``foil``.
+
+    The answer text is used exactly as given: it is tokenised on its own (no space added or
+    stripped) and appended to the prompt's tokens. With the chat template the answer starts the
+    assistant's turn, where a bare word (``Paris``) is the natural form; for raw-text prompts
+    (``chat=False``, ``--no-chat``) a continuation word usually needs its leading space
+    (`` Paris``), since ``"Paris"`` and ``" Paris"`` are different tokens. A fact file whose
+    object column lacks the space must add it itself if that is the continuation it means.
+
+    Args:
+        items: a path to a ``.csv``, ``.tsv``, ``.json`` (a list of records), ``.jsonl`` (one
+            record a line) or ``.parquet`` file (text files UTF-8), or a DataFrame / dict of
+            columns. It needs a prompt column; an answer column is optional (empty, null or NaN:
+            the model's greedy answer), and so is an id column (default: the row number).
+            Other columns are ignored.
+        prompt_column: the name of the prompt column.
+        answer_column: the name of the answer column; None: ``answer`` if there is one. A name
+            given must exist.
+        id_column: the name of the id column; None: ``id`` if there is one. A name given must exist.
+        foil_column: the name of an optional foil column (one token's text, e.g. `` Lyon``;
+            empty: no foil); None: ``foil`` if there is one. A name given must exist.
+
+    Returns:
+        A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
+        ``answer`` (str, or None for greedy), ``foil`` (str, or None).
+
+    Raises:
+        ValueError: an unknown extension, a file that is not UTF-8 or does not parse, a missing
+            column, no rows, or repeated ids; each names the file and what it found.
+    """
+    import pandas as pd
+    source = f"dataset {str(items)!r}" if isinstance(items, (str, Path)) else "the dataset"
+    frame = _read_table(Path(items)) if isinstance(items, (str, Path)) else pd.DataFrame(items)
+    if len(frame) == 0:
+        raise ValueError(f"{source} has no rows (columns {list(frame.columns)})")
+    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column, "foil": foil_column}
+    for role, column in named.items():
+        if column is not None and column not in frame.columns:
+            flag = f"--{role}-column / {role}_column="
+            raise ValueError(f"{source} needs {'an' if role == 'answer' else 'a'} {role} column {column!r} ({flag} names another), "
+                             f"got columns {list(frame.columns)}")
+    answer_column = answer_column or ("answer" if "answer" in frame.columns else None)
+    id_column = id_column or ("id" if "id" in frame.columns else None)
+    ids = [str(i) for i in (frame[id_column] if id_column else range(len(frame)))]
+    repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
+    if repeated:
+        raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
+    foil_column = foil_column or ("foil" if "foil" in frame.columns else None)
+    answers = frame[answer_column] if answer_column else [None] * len(frame)
+    foils = frame[foil_column] if foil_column else [None] * len(frame)
+    blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
+    return pd.DataFrame(dict(row=range(len(frame)), id=ids,
+                             prompt=["" if blank(p) else str(p) for p in frame[prompt_column]],
+                             answer=[None if blank(a) else str(a) for a in answers],
+                             foil=[None if blank(f) else str(f) for f in foils]))
+
+
+def write_shard(frame, path: Path) -> None:
+    """Write one parquet shard atomically: a temporary file, renamed (a kill leaves no half shard)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    frame.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def read_shards(parts: Path, kind: str, prefix: str = ""):
+    """All ``kind`` ("results" or "errors") shards whose name starts with ``prefix``, or None."""
+    import pandas as pd
+    files = sorted(parts.glob(f"{prefix}*.{kind}.parquet"))
+    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else None
+
+
+def result_tables(results, errors, pieces=None):
+    """The dataset's results, errors and parts frames (None: empty), without the shard column, in input order."""
+    import pandas as pd
+    results = results if results is not None else pd.DataFrame(columns=RESULT_COLUMNS)
+    errors = errors if errors is not None else pd.DataFrame(columns=["row", "id", "error"])
+    pieces = pieces if pieces is not None else pd.DataFrame(columns=PART_COLUMNS)
+    results = results.drop(columns="shard", errors="ignore").sort_values(["row", "token_index", "segment"])
+    errors = errors.drop(columns="shard", errors="ignore").sort_values("row")
+    # an item's rows keep their written order (kind, rank) within its token
+    pieces = pieces.drop(columns="shard", errors="ignore").sort_values(["row", "token_index"], kind="stable")
+    return results.reset_index(drop=True), errors.reset_index(drop=True), pieces.reset_index(drop=True)
+
+
+def errors_path(out: Union[str, Path]) -> Path:
+    """Where :func:`attribute_dataset` writes the errors table: ``X.parquet`` -> ``X.errors.parquet``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".errors" + (out.suffix or ".parquet"))
+
+
+def parts_path(out: Union[str, Path]) -> Path:
+    """Where :func:`attribute_dataset` writes the parts table: ``X.parquet`` -> ``X.components.parquet``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".components" + (out.suffix or ".parquet"))
+
+
+def merge_shards(parts: Path, out: Path, split: bool = False):
+    """Rank 0: every shard -> the final results, errors (and, ``split``, parts) files, each item
+    exactly once; the parts of an item come from the shard its results come from."""
+    results, errors = read_shards(parts, "results"), read_shards(parts, "errors")
+    pieces = read_shards(parts, "components") if split else None
+    if results is not None:  # an id is in one shard only, unless two runs wrote the folder at once
+        results = results[results["shard"] == results.groupby("id")["shard"].transform("min")]
+        if pieces is not None:  # a parts shard whose results shard was never written: dropped
+            pieces = pieces.merge(results[["id", "shard"]].drop_duplicates(), on=["id", "shard"])
+    if errors is not None:
+        errors = errors.drop_duplicates("id")
+        errors = errors[~errors["id"].isin(set(results["id"]) if results is not None else set())]
+    results, errors, pieces = result_tables(results, errors, pieces)
+    write_shard(results, out)
+    write_shard(errors, errors_path(out))
+    if split:
+        write_shard(pieces, parts_path(out))
+    else:
+        parts_path(out).unlink(missing_ok=True)  # a stale table of an earlier run with resolution=
+    return results, errors, pieces
+
+
+RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "layer", "label",
+                   "value", "lens_start", "lens_end", "p_base", "p_final", "delta_p", "onset",
+                   "residual", "quantity", "foil", "shard"]
+
+
+def attribution_from_frame(frame, *, estimator: str = "prediction_aware", steps: int = 16,
+                           baseline: str = "embedding") -> Attribution:
+    """One item's attribution rebuilt from its rows of a tidy table (``Attribution.to_frame``, or
+    :func:`attribute_dataset` results filtered to one ``id``), e.g. to draw it again.
+
+    The table holds tokens as text only, so ``targets`` (and ``foils``, where the table names a
+    foil) are all -1; ``quantity`` comes from the table's column (``"prob"`` without one).
+
+    Raises:
+        ValueError: rows that do not form a full (token, segment) grid of one item.
+    """
+    if "id" in frame.columns and frame["id"].nunique() > 1:
+        raise ValueError(f"frame holds {frame['id'].nunique()} items; pass the rows of one id")
+    frame = frame.sort_values(["token_index", "segment"])
+    T, K = frame["token_index"].nunique(), frame["segment"].nunique()
+    if T * K != len(frame) or T == 0:
+        raise ValueError(f"frame has {len(frame)} rows, not a full grid of {T} tokens x {K} segments")
+
+    def grid(column: str) -> torch.Tensor:  # (T, K)
+        return torch.tensor(frame[column].to_numpy(), dtype=torch.float64).view(T, K)
+
+    values, lens_end = grid("value"), grid("lens_end")
+    lens = torch.cat([grid("lens_start")[:, :1], lens_end], 1)  # (T, K+1), the baseline first
+    first = frame[frame["segment"] == frame["segment"].min()]
+    p_base = torch.tensor(first["p_base"].to_numpy(), dtype=torch.float64)
+    p_final = torch.tensor(first["p_final"].to_numpy(), dtype=torch.float64)
+    residual = float((values.sum(-1) - (p_final - p_base)).abs().max())
+    quantity = str(frame["quantity"].iloc[0]) if "quantity" in frame.columns else "prob"
+    has_foil = "foil" in frame.columns and bool(frame["foil"].notna().any())
+    return Attribution(values, [int(x) for x in frame["layer"].to_numpy()[:K]],
+                       [str(x) for x in frame["label"].to_numpy()[:K]], p_base, p_final, lens, residual,
+                       torch.full((T,), -1), torch.tensor(first["position"].to_numpy()), estimator,
+                       steps, baseline, quantity=quantity, foils=torch.full((T,), -1) if has_foil else None)
+
+
+PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank", "block", "head", "neuron",
+                 "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity", "foil", "shard"]
