@@ -653,15 +653,40 @@ def plot_source_vs_trace(source_map, restoration, tokens: Sequence[str], *, titl
         restoration: (S, n+1) ``CausalTrace.restoration``, drawn as nodes 0..n down.
         tokens: (S,) the positions' tokens; highlight: positions with red labels (the subject).
     """
+    return _map_above_trace(source_map, restoration, tokens, first=1, ylabel="block L",
+                            label="IG-Lens: probability moved by block L's heads from token s",
+                            title=title, highlight=highlight, figsize=figsize)
+
+
+def plot_carried_vs_trace(carried, restoration, tokens: Sequence[str], *, title: str = "",
+                          highlight: Sequence[int] = (), figsize: tuple[float, float] = (13, 9)):
+    """Notebook 11: the attribution graph's carried map (the share of Δp that the residual state at
+    node L, position s carries into later blocks) above the causal trace grid of the same prompt,
+    cell for cell: both are (node, position) maps.
+
+    Args:
+        carried: (n+1, S) share of f carried by ``h_L(s)``, nodes 0..n down.
+        restoration: (S, n+1) ``CausalTrace.restoration``.
+        tokens: (S,) the positions' tokens; highlight: positions with red labels (the subject).
+    """
+    return _map_above_trace(carried, restoration, tokens, first=0, ylabel="node L (h_L)",
+                            label="attribution graph: share of Δp carried by h_L(s) into later blocks",
+                            title=title, highlight=highlight, figsize=figsize)
+
+
+def _map_above_trace(values, restoration, tokens: Sequence[str], *, first: int, ylabel: str, label: str,
+                     title: str, highlight: Sequence[int], figsize: tuple[float, float]):
+    """An IG-Lens (rows, S) map above a causal trace grid (S, n+1) drawn as nodes 0..n, shared tokens."""
     import matplotlib.pyplot as plt
-    values = np.asarray(torch.as_tensor(source_map, dtype=torch.float64))
+    values = np.asarray(torch.as_tensor(values, dtype=torch.float64))
     grid = np.asarray(torch.as_tensor(restoration, dtype=torch.float64)).T  # (n+1, S)
-    if grid.shape != (values.shape[0] + 1, values.shape[1]):
-        raise ValueError(f"restoration must be (S, n+1) for a source map (n, S) = {values.shape}, got {grid.T.shape}")
+    if grid.shape != (values.shape[0] + first, values.shape[1]):
+        raise ValueError(f"restoration must be (S, n+1) = ({values.shape[1]}, {values.shape[0] + first}) "
+                         f"for a map of shape {values.shape}, got {grid.T.shape}")
     fig, (ax_map, ax_trace) = plt.subplots(2, 1, figsize=figsize, sharex=True, constrained_layout=True)
-    image = _position_map(ax_map, values, tokens, highlight=highlight)
-    ax_map.set_ylabel("block L")
-    ax_map.set_title("IG-Lens: probability moved by block L's heads from token s", fontsize=10)
+    image = _position_map(ax_map, values, tokens, highlight=highlight, first=first)
+    ax_map.set_ylabel(ylabel)
+    ax_map.set_title(label, fontsize=10)
     fig.colorbar(image, ax=ax_map, label="Δ probability", pad=0.01)
     image = _position_map(ax_trace, grid, tokens, cmap="Purples", centred=False, highlight=highlight, first=0)
     ax_trace.set_ylabel("node L (restored h_L)")

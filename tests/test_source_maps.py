@@ -179,3 +179,19 @@ def test_source_vs_trace_figure_draws_both_grids():
     plt.close(fig)
     with pytest.raises(ValueError, match="restoration must be"):
         igp.plot_source_vs_trace(source_map, restoration[:, :-1], [f"t{i}" for i in range(6)])
+
+
+def test_carried_vs_trace_figure_draws_both_node_grids():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rng = np.random.default_rng(4)
+    carried, restoration = rng.normal(size=(5, 6)), rng.random((6, 5))  # nodes 0..4 on both
+    fig = igp.plot_carried_vs_trace(carried, restoration, [f"t{i}" for i in range(6)], highlight=[1])
+    ax_map, ax_trace = [ax for ax in fig.axes if ax.images][:2]
+    np.testing.assert_array_equal(ax_map.images[0].get_array(), carried)
+    np.testing.assert_array_equal(ax_trace.images[0].get_array(), restoration.T)
+    assert ax_map.images[0].get_extent()[2:] == [4.5, -0.5]  # node 0 at the top, as the trace
+    plt.close(fig)
+    with pytest.raises(ValueError, match="restoration must be"):
+        igp.plot_carried_vs_trace(carried[1:], restoration, [f"t{i}" for i in range(6)])
