@@ -963,9 +963,9 @@ class Readout:
         head = self.adapter.head
         if not isinstance(head, nn.Linear):
             return torch.func.jvp(self.logits, (rows,), (dirs,))
-        if getattr(self.adapter.norm, "_hf_hook", None) is None:
+        if getattr(self.adapter.norm, "_hf_hook", None) is None and rows.dtype != torch.float16:
             normed, normed_tangent = torch.func.jvp(self.adapter.norm, (rows,), (dirs,))
-        else:  # accelerate's hooks (device_map, offloading) do not run under torch.func
+        else:  # accelerate's hooks do not run under torch.func; its float16 LayerNorm tangent overflows (rstd^3)
             with torch.enable_grad():
                 normed, normed_tangent = torch.autograd.functional.jvp(self.adapter.norm, rows, dirs)
         # through the head module, so that accelerate's hooks bring offloaded weights in; a zero
