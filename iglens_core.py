@@ -150,8 +150,7 @@ def resolve_model_path(name: str) -> str:
     if name in PACKAGED_MODELS:
         cached = CACHE_DIR / name
         if not (cached / "config.json").exists():
-            print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...",
-                  file=sys.stderr)
+            print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...", file=sys.stderr)
             cached.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(PACKAGED_MODELS[name](), cached)
         return str(cached)
@@ -682,8 +681,7 @@ def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> l
         if mlp_norm is None:
             raise ValueError(f"cannot find the pre-MLP norm of block {type(block).__name__} "
                              f"(looked for {_MLP_NORMS})")
-        hooks.append(mlp_norm.register_forward_pre_hook(
-            lambda mod, args, layer=layer: keep(layer, args[0])))
+        hooks.append(mlp_norm.register_forward_pre_hook(lambda mod, args, layer=layer: keep(layer, args[0])))
     return hooks
 
 
@@ -1000,8 +998,7 @@ class Readout:
             points = points - points.mean(-1, keepdim=True)
         return torch.rsqrt(points.pow(2).mean(-1) + self.norm_eps)
 
-    def _scale_slope(self, points: torch.Tensor, direction: torch.Tensor,
-                     scale: torch.Tensor) -> torch.Tensor:
+    def _scale_slope(self, points: torch.Tensor, direction: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """(..., d), (..., d), (...) -> (...) derivative of ``s`` along ``direction``: -s^3 mean(h' d')."""
         if self.norm_kind == "layer":
             points = points - points.mean(-1, keepdim=True)
@@ -1294,7 +1291,8 @@ def check_steps(readout: Readout, steps: int, estimator: str, profile: bool) -> 
 
     The grid of a segment (``m'`` points, each a (V,) row of logits and ~3 temporaries) is the
     smallest unit :meth:`Readout.along_segments` evaluates. The exact map without a profile
-    reads out only the path nodes, so ``steps`` is not bounded there."""
+    reads out only the path nodes, so ``steps`` is not bounded there (:func:`components` reads
+    its grid: it passes ``profile=True``)."""
     if estimator == "prediction_aware" and not profile:
         return
     grid = steps + 1 if estimator == "trapezoid" else steps
@@ -1675,8 +1673,7 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *
         increments.append(diagonal * outputs)
         if sources:
             per_source.append(_source_terms(trace, layer, back, memory_budget))
-    return (torch.stack(terms, 1), torch.stack(increments),
-            torch.stack(per_source, 1) if sources else None)
+    return (torch.stack(terms, 1), torch.stack(increments), torch.stack(per_source, 1) if sources else None)
 
 
 @dataclass
@@ -1689,7 +1686,8 @@ class Components:
         attn, mlp: (T, n) the sublayer terms ``f(mid_L) - f(h_(L-1))``, ``f(h_L) - f(mid_L)``.
         residual_heads, residual_neurons, residual_sources: ``max |parts.sum(-1) - term|`` (NaN
             when not computed): the estimator's quadrature error.
-        rebuild: max relative gap between the parts' sum and the recorded increment (rounding).
+        rebuild: max gap between the parts' sum and the recorded increment, relative to the increment
+            plus ``100 eps (|start| + |end|)`` of the model's dtype (the stream's rounding); below 1e-2.
         lens: (T, 2n+1) f at ``h_0, mid_1, h_1, ..., mid_n, h_n``.
         sources: (T, n, H, S) or None: f credited to head h of block L for what it moved into the
             predicting position from position s (zero after it); sums over s to ``heads[..., :H]``.
@@ -1746,7 +1744,8 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
 
     Cost: the gradient sums in closed form (no backward), then one (d x P) product per block and
     sublayer, and one (T x head_dim x S) product per head for sources; chunked to the readout's
-    ``memory_budget``.
+    ``memory_budget``. Precision: the parts in float64 from the model's own activations (of a
+    bfloat16 or float16 model too), results in float32 (float64 for a float64 model).
 
     Args:
         trace: from :func:`collect_components` (``sources=True`` for the sources).
