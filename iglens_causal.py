@@ -464,6 +464,7 @@ def embedding_std(model, token_ids=None) -> float:
 
 
 def _check_positive_int(name: str, value) -> int:
+    value = plain_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)

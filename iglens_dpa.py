@@ -303,7 +303,7 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
     """
     if mode not in DPA_MODES:
         raise ValueError(f"mode must be one of {DPA_MODES}, got {mode!r}")
-    fractions = np.asarray(DPA_FRACTIONS if fractions is None else fractions, dtype=np.float64)
+    fractions = _as_scores(DPA_FRACTIONS if fractions is None else fractions, "fractions")
     if fractions.ndim != 1 or not fractions.size or not ((fractions >= 0) & (fractions <= 1)).all():
         raise ValueError(f"fractions must be a non-empty 1-D sequence of values in [0, 1], got {fractions}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
@@ -475,6 +475,7 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
     """
     if method not in DPA_METHODS:
         raise ValueError(f"method must be one of {DPA_METHODS}, got {method!r}")
+    seed, steps, subset = (plain_number(value) for value in (seed, steps, subset))
     for name, value, low in (("seed", seed, 0), ("steps", steps, 1), ("subset", subset, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -508,6 +509,9 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
 def dpa_kept(model, tokenizer, input_ids, target: int, *, min_prob: float = 0.1) -> tuple[bool, float]:
     """The original's item filter: ``(kept, p)``, kept when the model's arg-max at the last position
     is the target, ``p(target) > min_prob`` and the target's text is longer than one character."""
+    min_prob = plain_number(min_prob)
+    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
+        raise ValueError(f"min_prob must be a probability in [0, 1), got {min_prob!r}")
     ids, target = _dpa_item(model, input_ids, target)
     with torch.no_grad():
         probs = torch.softmax(logits_at_end(model, 1, input_ids=ids)[0, -1].double(), -1)

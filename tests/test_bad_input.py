@@ -430,3 +430,21 @@ def test_source_route_scores_and_component_dla_name_what_to_pass(setup):
         igs.source_route_scores(result, np.zeros((6, 4)), 2)
     with pytest.raises(ValueError, match=r"resolution must be 'head', 'neuron' or 'source', got 'sources'"):
         igb.component_dla(model, parts, resolution="sources")
+
+
+def test_more_dpa_and_tracing_values():
+    import iglens_dpa as igdpa
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    for bad in ("0.1", -0.5, 1.0):
+        with pytest.raises(ValueError, match=r"min_prob must be a probability in \[0, 1\), got"):
+            igdpa.dpa_kept(model, None, ids, 5, min_prob=bad)
+    assert igdpa.dpa_kept(model, None, ids, 5, min_prob=np.float32(0.1)) == igdpa.dpa_kept(model, None, ids, 5)
+    with pytest.raises(ValueError, match="fractions must be numbers"):
+        igdpa.dpa_ablation(model, ids, 5, {}, fractions=["half"])
+    scores = igdpa.dpa_scores(model, ids, 5, "random", seed=torch.tensor(3))
+    assert torch.equal(scores["edges"], igdpa.dpa_scores(model, ids, 5, "random", seed=3)["edges"])
+    target = int(model(ids).logits[0, -1].argmax())
+    kwargs = dict(subject=(1, 3), noise=0.5, seeds=[1], min_gap=0.0)
+    torch.testing.assert_close(igc.causal_trace(model, ids, None, target, batch_size=torch.tensor(3), **kwargs).probs,
+                               igc.causal_trace(model, ids, None, target, batch_size=3, **kwargs).probs)
