@@ -361,6 +361,14 @@ def frozen_parameters(model):
             param.requires_grad_(flag)
 
 
+def plain_number(value):
+    """A 0-d tensor or array or a numpy scalar as the Python number it holds (a bool stays a bool, for
+    the caller to refuse); anything else as it is. Callers then check the type and the range."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and np.ndim(value) == 0:
+        return value.item()
+    return value
+
+
 def _captum_column(explainer, hooks, inputs, baselines, steps: int, method: str):
     """One captum ``attribute`` call, its hooks removed afterwards.
 
@@ -585,6 +593,8 @@ def component_dla(model, trace: Trace, *, resolution: str = "head") -> torch.Ten
     Returns:
         (T, n, H + 1) or (T, n, d_ff + 1) float64 logits (pre soft-cap); ``"source"``: (T, n, H, S).
     """
+    if resolution not in ("head", "neuron", "source"):
+        raise ValueError(f"resolution must be 'head', 'neuron' or 'source', got {resolution!r}")
     check_same_model(model, trace)
     adapter = get_adapter(model)
     sources = resolution == "source"

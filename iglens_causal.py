@@ -22,9 +22,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from iglens_core import (Adapter, Readout, Trace, check_same_model, first_output, get_adapter,
+from iglens_core import (Adapter, Readout, Trace, check_same_model, check_sequence, first_output, get_adapter,
                          hidden_arg, precision, replace_first, sublayer_module)
-from iglens_baselines import component_layout
+from iglens_baselines import component_layout, plain_number
 from iglens_stats import restoration_half
 
 
@@ -289,8 +289,9 @@ def _restoration(probs: torch.Tensor, p_clean: float, p_corrupted: float) -> tor
     return (probs.double() - p_corrupted) / gap
 
 
-def _check_ids(model, ids, name: str) -> torch.Tensor:
-    """``ids`` as (1, L) long token ids of the model's vocabulary, L >= 1; else ValueError."""
+def _check_ids(model, ids, name: str, sequence: bool = True) -> torch.Tensor:
+    """``ids`` as (1, L) long token ids of the model's vocabulary, L >= 1; else ValueError. A ``sequence``
+    must also fit the model's context (:func:`iglens_core.check_sequence`)."""
     ids = torch.as_tensor(ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -300,7 +301,7 @@ def _check_ids(model, ids, name: str) -> torch.Tensor:
     vocab = model.get_input_embeddings().num_embeddings
     if ids.min() < 0 or ids.max() >= vocab:
         raise ValueError(f"{name} must be token ids in 0..{vocab - 1}, got {int(ids.min())}..{int(ids.max())}")
-    return ids.long()
+    return (check_sequence(model, ids, None) if sequence else ids).long()
 
 
 def _splice_last(row: int, value: torch.Tensor):
@@ -353,7 +354,7 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
         ValueError: bad arguments, or a gap below ``min_gap`` (choose another corruption).
     """
     check_same_model(model, trace)
-    targets = trace.targets
+    targets, target, min_gap = trace.targets, plain_number(target), plain_number(min_gap)
     if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) or not 0.0 <= min_gap <= 1.0:
         raise ValueError(f"min_gap must be a probability in [0, 1], got {min_gap!r}")
     if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < len(targets):
@@ -452,7 +453,7 @@ def embedding_std(model, token_ids=None) -> float:
     """
     embed = model.get_input_embeddings()
     vocab = embed.num_embeddings
-    ids = torch.arange(vocab) if token_ids is None else _check_ids(model, token_ids, "token_ids")[0]
+    ids = torch.arange(vocab) if token_ids is None else _check_ids(model, token_ids, "token_ids", sequence=False)[0]
     device = next(model.parameters()).device
     total = squares = 0.0
     for start in range(0, len(ids), 4096):
@@ -463,6 +464,7 @@ def embedding_std(model, token_ids=None) -> float:
 
 
 def _check_positive_int(name: str, value) -> int:
+    value = plain_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
@@ -471,7 +473,7 @@ def _check_positive_int(name: str, value) -> int:
 def _subject_positions(subject, length: int) -> range:
     """``subject`` (a slice or a ``(start, stop)`` pair) as a non-empty range in ``0..length-1``."""
     if isinstance(subject, tuple) and len(subject) == 2:
-        subject = slice(*subject)
+        subject = slice(*(plain_number(x) for x in subject))
     if not isinstance(subject, slice) or subject.step not in (None, 1):
         raise ValueError(f"subject must be a slice (or (start, stop) pair) of positions with step 1, got {subject!r}")
     positions = range(length)[subject]
@@ -562,11 +564,12 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
     """
     if kind not in TRACE_KINDS:
         raise ValueError(f"kind must be one of {TRACE_KINDS}, got {kind!r}")
+    target, min_gap, noise = plain_number(target), plain_number(min_gap), plain_number(noise)
     window = _check_positive_int("window", window)
     if kind == "hidden" and window != 1:
         raise ValueError(f"window applies to kind 'attn' / 'mlp' (ROME); kind 'hidden' restores one node: window must be 1, got {window}")
     batch_size = _check_positive_int("batch_size", batch_size)
-    if not isinstance(min_gap, (int, float)) or not 0.0 <= min_gap < 1.0:
+    if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) or not 0.0 <= min_gap < 1.0:
         raise ValueError(f"min_gap must be a probability in [0, 1), got {min_gap!r}")
     clean = _check_ids(model, clean_ids, "clean_ids")
     length = clean.shape[1]
@@ -589,9 +592,12 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
         if subject is None:
             raise ValueError("corrupted_ids=None corrupts the subject with noise: pass subject= (its positions)")
         positions = _subject_positions(subject, length)
-        seeds = list(range(NOISE_SAMPLES)) if seeds is None else list(seeds)
-        if not seeds or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in seeds):
-            raise ValueError(f"seeds must be a non-empty sequence of integers, got {seeds!r}")
+        seeds = list(range(NOISE_SAMPLES)) if seeds is None else seeds
+        values = [plain_number(x) for x in seeds] if np.iterable(seeds) and not isinstance(seeds, str) else []
+        if not values or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not -2**63 <= x < 2**64
+                             for x in values):
+            raise ValueError(f"seeds must be a non-empty sequence of integers in -2**63..2**64-1 (torch's seeds), got {seeds!r}")
+        seeds = values
         noise = 3.0 * embedding_std(model) if noise is None else noise
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0.0 < noise < math.inf:
             raise ValueError(f"noise must be a finite standard deviation > 0, got {noise!r}")

@@ -70,8 +70,7 @@ def resolve_model_path(name: str) -> str:
     if name in PACKAGED_MODELS:
         cached = CACHE_DIR / name
         if not (cached / "config.json").exists():
-            print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...",
-                  file=sys.stderr)
+            print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...", file=sys.stderr)
             cached.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(PACKAGED_MODELS[name](), cached)
         return str(cached)
@@ -149,8 +148,8 @@ class Adapter:
 
 
 def check_model(model) -> None:
-    """Raise a ValueError unless ``model`` is a loaded ``nn.Module`` whose weights are not on ``meta``
-    (shapes only) without accelerate's offloading hooks."""
+    """Raise a ValueError unless ``model`` is a loaded ``nn.Module`` in eval mode whose weights are not
+    on ``meta`` (shapes only) without accelerate's offloading hooks."""
     if not isinstance(model, nn.Module):
         hint = f"; load it first: model, tokenizer = ig.load_model({model!r})" if isinstance(model, str) else ""
         raise ValueError(f"model must be a loaded torch model (torch.nn.Module), got "
@@ -158,6 +157,8 @@ def check_model(model) -> None:
     if getattr(model, "hf_device_map", None) is None and any(p.is_meta for p in model.parameters()):
         raise ValueError("the model's weights are on the 'meta' device (shapes only, no values): load "
                          "it on 'cpu' or 'cuda', or with device_map='auto' to offload what does not fit")
+    if model.training:  # dropout would make every run differ
+        raise ValueError(f"the model ({type(model).__name__}) is in training mode (dropout is random): call model.eval() first")
 
 
 _FINGERPRINT_ENTRIES = 4  # sampled entries per tensor
@@ -491,8 +492,8 @@ def replace_first(output, tensor):
     return (tensor,) + tuple(output[1:]) if isinstance(output, (tuple, list)) else tensor
 
 
-def check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
-    """Validate one sequence for the collector; returns it as (1, L) long."""
+def check_sequence(model, input_ids, prompt_len: Optional[int]) -> torch.Tensor:
+    """Validate one sequence for the collector (``prompt_len=None``: no answer part); returns it as (1, L) long."""
     check_model(model)
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
@@ -507,14 +508,13 @@ def check_sequence(model, input_ids, prompt_len: int) -> torch.Tensor:
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab)].unique()[:5].tolist()
         raise ValueError(f"token ids must lie in 0..{vocab - 1} (the model's vocabulary), got {bad}")
     length = input_ids.shape[1]
-    if (isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer))
-            or not 1 <= prompt_len <= length - 1):
+    if prompt_len is not None and (isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer))
+                                   or not 1 <= prompt_len <= length - 1):
         raise ValueError(f"prompt_len must be in 1..{length - 1} (sequence length {length}), an "
                          f"integer, got {prompt_len!r}")
     context = context_length(model)
     if context is not None and length > context:
-        raise ValueError(f"sequence of {length} tokens is longer than the model's context of "
-                         f"{context}")
+        raise ValueError(f"sequence of {length} tokens is longer than the model's context of {context}")
     return input_ids
 
 
@@ -601,8 +601,7 @@ def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> l
         if mlp_norm is None:
             raise ValueError(f"cannot find the pre-MLP norm of block {type(block).__name__} "
                              f"(looked for {_MLP_NORMS})")
-        hooks.append(mlp_norm.register_forward_pre_hook(
-            lambda mod, args, layer=layer: keep(layer, args[0])))
+        hooks.append(mlp_norm.register_forward_pre_hook(lambda mod, args, layer=layer: keep(layer, args[0])))
     return hooks
 
 
@@ -882,9 +881,9 @@ class Readout:
         head = self.adapter.head
         if not isinstance(head, nn.Linear):
             return torch.func.jvp(self.logits, (rows,), (dirs,))
-        if getattr(self.adapter.norm, "_hf_hook", None) is None:
+        if getattr(self.adapter.norm, "_hf_hook", None) is None and rows.dtype != torch.float16:
             normed, normed_tangent = torch.func.jvp(self.adapter.norm, (rows,), (dirs,))
-        else:  # accelerate's hooks (device_map, offloading) do not run under torch.func
+        else:  # accelerate's hooks do not run under torch.func; its float16 LayerNorm tangent overflows (rstd^3)
             with torch.enable_grad():
                 normed, normed_tangent = torch.autograd.functional.jvp(self.adapter.norm, rows, dirs)
         # through the head module, so that accelerate's hooks bring offloaded weights in; a zero
@@ -919,8 +918,7 @@ class Readout:
             points = points - points.mean(-1, keepdim=True)
         return torch.rsqrt(points.pow(2).mean(-1) + self.norm_eps)
 
-    def _scale_slope(self, points: torch.Tensor, direction: torch.Tensor,
-                     scale: torch.Tensor) -> torch.Tensor:
+    def _scale_slope(self, points: torch.Tensor, direction: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """(..., d), (..., d), (...) -> (...) derivative of ``s`` along ``direction``: -s^3 mean(h' d')."""
         if self.norm_kind == "layer":
             points = points - points.mean(-1, keepdim=True)
@@ -1213,7 +1211,8 @@ def check_steps(readout: Readout, steps: int, estimator: str, profile: bool) -> 
 
     The grid of a segment (``m'`` points, each a (V,) row of logits and ~3 temporaries) is the
     smallest unit :meth:`Readout.along_segments` evaluates. The exact map without a profile
-    reads out only the path nodes, so ``steps`` is not bounded there."""
+    reads out only the path nodes, so ``steps`` is not bounded there (:func:`components` reads
+    its grid: it passes ``profile=True``)."""
     if estimator == "prediction_aware" and not profile:
         return
     grid = steps + 1 if estimator == "trapezoid" else steps
@@ -1223,7 +1222,7 @@ def check_steps(readout: Readout, steps: int, estimator: str, profile: bool) -> 
         raise ValueError(f"steps={steps} puts {grid} points on every segment, and one token's "
                          f"grid of V={readout.vocab_size} logits must fit memory_budget="
                          f"{readout.memory_budget} bytes: steps must lie in 1..{limit} for "
-                         f"estimator={estimator!r}{' with profile=True' if profile else ''} (or "
+                         f"estimator={estimator!r}{' (grid read: profile=True, components)' * (estimator == 'prediction_aware')} (or "
                          "pass readout=Readout(model, memory_budget=...) with a larger budget)")
 
 
@@ -1238,6 +1237,25 @@ def _check_trace(readout: Readout, trace: Trace) -> None:
     if targets.numel() and not 0 <= int(targets.min()) <= int(targets.max()) < readout.vocab_size:
         raise ValueError(f"trace targets must lie in 0..{readout.vocab_size - 1} (the model's "
                          f"vocabulary), got {targets.tolist()}")
+
+
+def _check_run(model, trace: Trace, readout, steps, estimator, quantity, foil, profile: bool):
+    """The checks :func:`ig_lens` and :func:`components` share; returns ``(readout, foils)``."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    check_quantity(quantity)
+    readout = readout or Readout(model)
+    _check_trace(readout, trace)
+    check_same_model(model, trace, readout)
+    check_steps(readout, steps, estimator, profile)
+    bad = sum(int((~torch.isfinite(x)).sum()) for x in (trace.hidden, trace.mid, trace.heads, trace.neurons)
+              if x is not None)
+    if bad:
+        raise ValueError(f"the trace holds {bad} NaN or inf entries (hidden, mid, heads or neurons): "
+                         "collect it again from a model with finite weights and activations")
+    return readout, check_foil(foil, trace.targets, readout.vocab_size)
 
 
 @dataclass
@@ -1322,6 +1340,8 @@ def check_foil(foil, targets: torch.Tensor, vocab_size: int) -> Optional[torch.T
     """
     if foil is None:
         return None
+    if isinstance(foil, str):
+        raise ValueError(f"foil must be a token id, not text {foil!r}: pass tokenizer.encode({foil!r}, add_special_tokens=False)[0]")
     foils = torch.as_tensor(foil)
     T = len(targets)
     if foils.dtype.is_floating_point or foils.dtype.is_complex or foils.dtype == torch.bool:
@@ -1360,8 +1380,7 @@ def check_layers(layers: Optional[Sequence[int]], n_layers: int) -> list[int]:
         raise ValueError(f"layers must hold at least one layer in 1..{n_layers}, got []")
     bad = [layer for layer in layers if not 1 <= layer <= n_layers]
     if bad:
-        raise ValueError(f"layers must lie in 1..{n_layers} (layer 0 is the baseline, not a "
-                         f"segment end), got {bad}")
+        raise ValueError(f"layers must lie in 1..{n_layers} (layer 0 is the baseline, not a segment end), got {bad}")
     if any(b <= a for a, b in zip(layers, layers[1:])):
         raise ValueError(f"layers must be strictly increasing, got {layers}")
     return layers if layers[-1] == n_layers else layers + [n_layers]
@@ -1387,8 +1406,7 @@ def resolve_baseline(baseline, trace: Trace) -> tuple[torch.Tensor, str]:
         return tensor.expand_as(start), "custom"
     if tensor.shape == start.shape:
         return tensor, "custom"
-    raise ValueError(f"baseline tensor must have shape ({d},) or {tuple(start.shape)}, "
-                     f"got {tuple(tensor.shape)}")
+    raise ValueError(f"baseline tensor must have shape ({d},) or {tuple(start.shape)}, got {tuple(tensor.shape)}")
 
 
 def path_nodes(trace: Trace, layers: Sequence[int], resolution: str = "layer"):
@@ -1439,20 +1457,9 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
             change of the answer's log-probability); foil: None, one id or (T,) ids: f becomes
             ``f(y) - f(foil)`` (with ``"logprob"``, the logit difference ``z_y - z_foil``).
     """
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    check_quantity(quantity)
-    readout = readout or Readout(model)
-    _check_trace(readout, trace)
-    check_same_model(model, trace, readout)
-    check_steps(readout, steps, estimator, profile)
-    foils = check_foil(foil, trace.targets, readout.vocab_size)
+    readout, foils = _check_run(model, trace, readout, steps, estimator, quantity, foil, profile)
     spec = dict(foils=foils, quantity=quantity)
     layers = check_layers(layers, trace.n_layers)
-    if not torch.isfinite(trace.hidden).all():
-        raise ValueError("trace.hidden contains NaN or inf")
     base, base_name = resolve_baseline(baseline, trace)
     ends, layers, labels = path_nodes(trace, layers, resolution)
     work = readout.dtype
@@ -1517,11 +1524,11 @@ def _post_norm_map(post: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
     normed = post(probe.to(param.device, param.dtype)).to(outputs)
     gain = (normed[0] - normed[1]) * math.sqrt(1.0 + float(eps or 0.0))
     diagonal = gain * torch.rsqrt(outputs.pow(2).mean(-1, keepdim=True) + float(eps or 0.0))
-    actual = post(outputs.to(param.device, param.dtype)).to(outputs)
+    actual, tol = post(outputs.to(param.device, param.dtype)).to(outputs), max(1e-3, 2 * torch.finfo(param.dtype).eps)
     if not isinstance(eps, (int, float)) or not torch.allclose(
-            diagonal * outputs, actual, rtol=1e-3, atol=1e-4 * float(actual.abs().max()) + 1e-6):
+            diagonal * outputs, actual, rtol=tol, atol=tol * 0.1 * float(actual.abs().max()) + 1e-6):
         raise ValueError(f"the norm {type(post).__name__} on the sublayer output is not an RMSNorm "
-                         "G * u / rms(u); its input cannot be split into parts")
+                         f"G * u / rms(u) within {param.dtype}'s rounding; its input cannot be split into parts")
     return diagonal
 
 
@@ -1586,8 +1593,7 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *
         increments.append(diagonal * outputs)
         if sources:
             per_source.append(_source_terms(trace, layer, back, memory_budget))
-    return (torch.stack(terms, 1), torch.stack(increments),
-            torch.stack(per_source, 1) if sources else None)
+    return (torch.stack(terms, 1), torch.stack(increments), torch.stack(per_source, 1) if sources else None)
 
 
 @dataclass
@@ -1600,7 +1606,8 @@ class Components:
         attn, mlp: (T, n) the sublayer terms ``f(mid_L) - f(h_(L-1))``, ``f(h_L) - f(mid_L)``.
         residual_heads, residual_neurons, residual_sources: ``max |parts.sum(-1) - term|`` (NaN
             when not computed): the estimator's quadrature error.
-        rebuild: max relative gap between the parts' sum and the recorded increment (rounding).
+        rebuild: max gap between the parts' sum and the recorded increment, relative to the increment
+            plus ``100 eps (|start| + |end|)`` of the model's dtype (the stream's rounding); below 1e-2.
         lens: (T, 2n+1) f at ``h_0, mid_1, h_1, ..., mid_n, h_n``.
         sources: (T, n, H, S) or None: f credited to head h of block L for what it moved into the
             predicting position from position s (zero after it); sums over s to ``heads[..., :H]``.
@@ -1657,7 +1664,8 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
 
     Cost: the gradient sums in closed form (no backward), then one (d x P) product per block and
     sublayer, and one (T x head_dim x S) product per head for sources; chunked to the readout's
-    ``memory_budget``.
+    ``memory_budget``. Precision: the parts in float64 from the model's own activations (of a
+    bfloat16 or float16 model too), results in float32 (float64 for a float64 model).
 
     Args:
         trace: from :func:`collect_components` (``sources=True`` for the sources).
@@ -1667,20 +1675,13 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
     """
     if resolution not in COMPONENT_RESOLUTIONS:
         raise ValueError(f"resolution must be one of {COMPONENT_RESOLUTIONS}, got {resolution!r}")
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    check_quantity(quantity)
     wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons"),
               "source": ("heads", "patterns"), "all": ("heads", "neurons", "patterns")}[resolution]
     missing = [name for name in ("mid",) + wanted if getattr(trace, name) is None]
     if missing:
         raise ValueError(f"the trace has no {missing}: record it with collect_components(model, "
                          f"input_ids, prompt_len{', sources=True' if 'patterns' in missing else ''})")
-    check_same_model(model, trace, readout)
-    readout = readout or Readout(model)
-    foils = check_foil(foil, trace.targets, readout.vocab_size)
+    readout, foils = _check_run(model, trace, readout, steps, estimator, quantity, foil, True)
     n = trace.n_layers
     ends, _, _ = path_nodes(trace, list(range(1, n + 1)), "sublayer")
     nodes = torch.cat([trace.hidden[:1], ends]).to(readout.dtype)  # (2n+1, T, d)
@@ -1692,7 +1693,7 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
                                         quantity=quantity)  # (2n, T, d)
     lens = lens.T.double()  # (T, 2n+1)
     terms = (lens[:, 1:] - lens[:, :-1]).view(-1, n, 2)  # (T, n, 2) exact attention, MLP terms
-    work = torch.float64 if readout.dtype == torch.float64 else torch.float32
+    work, eps = precision(readout.dtype), torch.finfo(readout.dtype).eps
     out, residuals, rebuild = {}, {}, 0.0
     for name, sublayer, col in (("heads", "attn", 0), ("neurons", "mlp", 1)):
         if name not in wanted:
@@ -1701,13 +1702,12 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
         shares, parts, per_source = component_terms(model, trace, gbar[col::2], sublayer, sources=sources,
                                                     memory_budget=readout.memory_budget)
         start, end = (trace.hidden[:-1], trace.mid) if col == 0 else (trace.mid, trace.hidden[1:])
-        recorded = (end - start).double()  # (n, T, d)
-        gap = (parts - recorded).norm(dim=-1) / recorded.norm(dim=-1).clamp_min(1e-12)
-        rebuild = max(rebuild, float(gap.max()))
+        recorded = (end - start).double()  # (n, T, d), with the rounding of start and end in the model's dtype
+        scale = recorded.norm(dim=-1) + 100 * eps * (start.double().norm(dim=-1) + end.double().norm(dim=-1))
+        rebuild = max(rebuild, float(((parts - recorded).norm(dim=-1) / scale.clamp_min(1e-12)).max()))
         if rebuild > 1e-2:
-            raise ValueError(f"the {sublayer} parts do not rebuild the recorded increment (relative "
-                             f"gap {rebuild:.1e}): this block's sublayer output is not its "
-                             "projection's output (an unsupported architecture?)")
+            raise ValueError(f"the {sublayer} parts do not rebuild the recorded increment (gap {rebuild:.1e} of it, beyond "
+                             f"{readout.dtype}'s rounding): was the model run with dropout, or in another precision?")
         out[name] = shares.to(work)
         residuals[name] = float((shares.sum(-1) - terms[..., col]).abs().max())
         if sources:

@@ -24,10 +24,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, collect_components, components, eager_attention,
-                         get_adapter, head_counts, logits_at_end, projection_weight, sublayer_module,
-                         sublayer_projection)
-from iglens_baselines import frozen_parameters
+from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, check_quantity, check_sequence, collect_components,
+                         components, eager_attention, get_adapter, head_counts, logits_at_end, projection_weight,
+                         sublayer_module, sublayer_projection)
+from iglens_baselines import frozen_parameters, plain_number
 
 
 # A peer's benchmark (DPA, arXiv 2603.19742, lab-paper-code/dual_path_attribution,
@@ -144,8 +144,9 @@ def _gates(model, edges=None, neurons=None, record: Optional[dict] = None):
 
 
 def _dpa_item(model, input_ids, target) -> tuple[torch.Tensor, int]:
-    """Validate one item: ``(input_ids (1, S) long on the model's device, target)``."""
-    ids = torch.as_tensor(input_ids)
+    """Validate one item: ``(input_ids (1, S) long on the model's device, target)``; the model in eval
+    mode, the ids within its vocabulary and context (:func:`iglens_core.check_sequence`)."""
+    ids, target = torch.as_tensor(input_ids), plain_number(target)
     ids = ids[None] if ids.dim() == 1 else ids
     vocab = model.get_input_embeddings().num_embeddings
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype.is_floating_point:
@@ -156,7 +157,23 @@ def _dpa_item(model, input_ids, target) -> tuple[torch.Tensor, int]:
                          f"{ids[(ids < 0) | (ids >= vocab)].unique()[:5].tolist()}")
     if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < vocab:
         raise ValueError(f"target must be a token id in 0..{vocab - 1}, got {target!r}")
-    return ids.long().to(next(model.parameters()).device), int(target)
+    return check_sequence(model, ids, None).long().to(next(model.parameters()).device), int(target)
+
+
+def _check_budget(memory_budget) -> None:
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, np.integer)) or memory_budget < 1:
+        raise ValueError(f"memory_budget must be a positive integer number of bytes, got {memory_budget!r}")
+
+
+def _as_scores(value, name: str) -> np.ndarray:
+    """``value`` as a float64 array; a ValueError naming ``name`` for text or objects, and for NaN or inf."""
+    try:
+        value = np.asarray(torch.as_tensor(value, dtype=torch.float64).cpu())
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be numbers (a tensor or array), got {type(value).__name__} {str(value)[:60]!r}") from None
+    if not np.isfinite(value).all():
+        raise ValueError(f"{name} must be finite, got {int((~np.isfinite(value)).sum())} NaN or infinite entries")
+    return value
 
 
 def _dpa_flat_scores(scores: dict, n: int, H: int, S: int, d_ff: int) -> np.ndarray:
@@ -168,12 +185,9 @@ def _dpa_flat_scores(scores: dict, n: int, H: int, S: int, d_ff: int) -> np.ndar
     parts = []
     for key, shape in (("edges", (n, H, S, S)), ("neurons", (n, S, d_ff))):
         value = scores.get(key)
-        value = np.zeros(shape) if value is None else np.asarray(torch.as_tensor(value, dtype=torch.float64).cpu())
+        value = np.zeros(shape) if value is None else _as_scores(value, f"scores[{key!r}]")
         if value.shape != shape:
             raise ValueError(f"scores[{key!r}] must have shape {shape}, got {value.shape}")
-        if not np.isfinite(value).all():
-            raise ValueError(f"scores[{key!r}] must be finite, got {int((~np.isfinite(value)).sum())} "
-                             "NaN or infinite entries")
         parts.append(value.ravel())
     return np.concatenate(parts)
 
@@ -206,7 +220,7 @@ def dpa_order(scores, *, ties: str = "random", seed: int = 0) -> np.ndarray:
         raise ValueError(f"ties must be 'random' or 'index', got {ties!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-    x = np.asarray(scores, dtype=np.float64).ravel()
+    x = _as_scores(scores, "scores").ravel()
     order = np.argsort(-x, kind="stable")
     tolerance = DPA_RANK_RTOL * (np.abs(x).max() if x.size else 0.0)
     group = np.concatenate([[0], np.cumsum(-np.diff(x[order]) > tolerance)])
@@ -289,12 +303,13 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
     """
     if mode not in DPA_MODES:
         raise ValueError(f"mode must be one of {DPA_MODES}, got {mode!r}")
-    fractions = np.asarray(DPA_FRACTIONS if fractions is None else fractions, dtype=np.float64)
+    fractions = _as_scores(DPA_FRACTIONS if fractions is None else fractions, "fractions")
     if fractions.ndim != 1 or not fractions.size or not ((fractions >= 0) & (fractions <= 1)).all():
         raise ValueError(f"fractions must be a non-empty 1-D sequence of values in [0, 1], got {fractions}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
                                    or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    _check_budget(memory_budget)
     ids, target = _dpa_item(model, input_ids, target)
     layout = dpa_layout(model)
     flat = _dpa_flat_scores(scores, layout[0], layout[1], ids.shape[1], layout[2])
@@ -333,9 +348,11 @@ def dpa_areas(disrupt, recover, fractions: Optional[Sequence[float]] = None, *, 
     """
     if scale not in ("linear", "log"):
         raise ValueError(f"scale must be 'linear' or 'log', got {scale!r}")
-    x = np.asarray(DPA_FRACTIONS if fractions is None else fractions, dtype=np.float64)
-    if scale == "log" and (x.size < 2 or (x <= 0).any()):
-        raise ValueError(f"scale='log' needs at least two fractions, all > 0, got {x}")
+    x = _as_scores(DPA_FRACTIONS if fractions is None else fractions, "fractions")
+    if x.ndim != 1 or not x.size or not ((x > 0) & (x <= 1)).all() or np.unique(x).size != x.size:
+        raise ValueError(f"fractions must be a 1-D sequence of distinct values in (0, 1], got {x}")
+    if scale == "log" and x.size < 2:
+        raise ValueError(f"scale='log' needs at least two fractions, got {x}")
     out = {}
     for name, mode, drops in (("disturb_aoc", "disrupt", disrupt), ("recover_aoc", "recover", recover)):
         drops = np.atleast_2d(np.asarray(drops, dtype=np.float64))
@@ -458,9 +475,12 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
     """
     if method not in DPA_METHODS:
         raise ValueError(f"method must be one of {DPA_METHODS}, got {method!r}")
+    seed, steps, subset = (plain_number(value) for value in (seed, steps, subset))
     for name, value, low in (("seed", seed, 0), ("steps", steps, 1), ("subset", subset, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    check_quantity(quantity)
+    _check_budget(memory_budget)
     ids, target = _dpa_item(model, input_ids, target)
     n, H, d_ff = dpa_layout(model)
     S = ids.shape[1]
@@ -489,6 +509,9 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
 def dpa_kept(model, tokenizer, input_ids, target: int, *, min_prob: float = 0.1) -> tuple[bool, float]:
     """The original's item filter: ``(kept, p)``, kept when the model's arg-max at the last position
     is the target, ``p(target) > min_prob`` and the target's text is longer than one character."""
+    min_prob = plain_number(min_prob)
+    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
+        raise ValueError(f"min_prob must be a probability in [0, 1), got {min_prob!r}")
     ids, target = _dpa_item(model, input_ids, target)
     with torch.no_grad():
         probs = torch.softmax(logits_at_end(model, 1, input_ids=ids)[0, -1].double(), -1)

@@ -389,6 +389,9 @@ def source_route_scores(parts, restoration, subject: int, *, level: float = 0.5)
         A dict of floats: ``top_block``, ``top_head``, ``top_source``, ``subject_block``,
         ``trace_block`` and the :data:`SOURCE_METRICS`.
     """
+    if not isinstance(parts, (torch.Tensor, np.ndarray, list, tuple)):
+        hint = ": pass one token's sources, e.g. parts.sources[t, ..., :S]" if hasattr(parts, "sources") else ""
+        raise ValueError(f"parts must be an (n, H, S) tensor or array of scores, got {type(parts).__name__}{hint}")
     parts = np.asarray(torch.as_tensor(parts, dtype=torch.float64))
     r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
     if parts.ndim != 3 or r.shape != (parts.shape[2], parts.shape[0] + 1):

@@ -144,6 +144,7 @@ class _Custom(nn.Module):
         with torch.no_grad():
             self.final.weight.add_(0.5 * torch.randn(d))
             self.final.bias.add_(0.1 * torch.randn(d))
+        self.eval()  # IG-Lens refuses a model in training mode
 
     def forward(self, input_ids, **kwargs):
         h = self.embed(input_ids)

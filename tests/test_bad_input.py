@@ -1,6 +1,7 @@
 """Every bad input raises a ValueError that names the value and the valid range."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,7 +78,7 @@ def test_unknown_architecture():
         def get_output_embeddings(self):
             return None
     with pytest.raises(ValueError, match=r"cannot find the blocks .*Pass the missing parts by hand"):
-        ig.get_adapter(Bare())
+        ig.get_adapter(Bare().eval())
 
 
 def test_unavailable_model_is_a_clear_error(monkeypatch):
@@ -282,3 +283,168 @@ def test_dataset_refuses_bad_out_and_baseline_before_the_run(setup, tmp_path):
                             ("median", r"baseline must be one of .*got 'median'")]:
         with pytest.raises(ValueError, match=match):
             igd.attribute_dataset(model, None, items, baseline=baseline)
+
+
+# -- issue 30: nothing silently wrong, no raw errors ---------------------------------------------
+
+def test_a_model_in_training_mode_is_refused_everywhere():
+    """Dropout makes each run differ: every entry point that runs the model refuses train() mode."""
+    import iglens_dpa as igdpa
+    model = tiny_model("gpt2")
+    assert model.config.resid_pdrop > 0  # dropout in every block
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    trace = ig.collect_components(model, ids, 4)
+    model.train()
+    calls = {"collect": lambda: ig.collect(model, ids, 4),
+             "collect_components": lambda: ig.collect_components(model, ids, 4),
+             "ig_lens": lambda: ig.ig_lens(model, trace),
+             "components": lambda: ig.components(model, trace),
+             "logit_lens": lambda: ig.logit_lens(model, trace),
+             "activation_patching": lambda: igc.activation_patching(model, trace, ids[:, :4], min_gap=0),
+             "ablation_effects": lambda: igc.ablation_effects(model, trace),
+             "component_ablation": lambda: igc.component_ablation(model, trace, [[(1, 0)]]),
+             "causal_trace": lambda: igc.causal_trace(model, ids, None, 5, subject=(0, 2)),
+             "dpa_ablation": lambda: igdpa.dpa_ablation(model, ids, 5, {}),
+             "dpa_scores": lambda: igdpa.dpa_scores(model, ids, 5, "atp"),
+             "dpa_kept": lambda: igdpa.dpa_kept(model, None, ids, 5),
+             "component_dla": lambda: igb.component_dla(model, trace)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"in training mode .*call model\.eval\(\)"):
+            call()
+    model.eval()
+    ig.ig_lens(model, trace)
+
+
+def test_non_finite_scores_and_traces():
+    import iglens_dpa as igdpa
+    with pytest.raises(ValueError, match="scores must be finite, got 2 NaN or infinite entries"):
+        igdpa.dpa_order(np.array([1.0, float("nan"), float("inf"), 0.0]))
+    with pytest.raises(ValueError, match="scores must be numbers .*'high'"):
+        igdpa.dpa_order(["high", "low"])
+    model = tiny_model("llama")
+    trace = ig.collect_components(model, torch.randint(0, 97, (1, 8)), 4)
+    trace.heads[1, 0, 3] = float("nan")
+    with pytest.raises(ValueError, match="the trace holds 1 NaN or inf entries"):
+        ig.components(model, trace)
+    with pytest.raises(ValueError, match="the trace holds 1 NaN or inf entries"):
+        ig.ig_lens(model, trace, resolution="sublayer")  # heads too: the same check
+
+
+@pytest.mark.parametrize("fractions", [[0.0, 0.5], [0.5, 0.5], [0.2, 1.5], [-0.1, 0.5]])
+def test_dpa_areas_fractions(fractions):
+    import iglens_dpa as igdpa
+    drops = np.zeros((1, len(fractions)))
+    with pytest.raises(ValueError, match=r"fractions must be a 1-D sequence of distinct values in \(0, 1\]"):
+        igdpa.dpa_areas(drops, drops, fractions)
+
+
+def test_sequences_longer_than_the_context_and_boolean_ids():
+    """collect's message (check_sequence) for the runs that take ids themselves (GPT-2: an IndexError
+    inside torch before)."""
+    import iglens_dpa as igdpa
+    gpt2, llama = tiny_model("gpt2"), tiny_model("llama")
+    long = torch.randint(0, 97, (1, 65), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="sequence of 65 tokens is longer than the model's context of 64"):
+        igc.causal_trace(gpt2, long, None, 5, subject=(0, 2))
+    for call in (lambda: igdpa.dpa_ablation(llama, long, 5, {}), lambda: igdpa.dpa_scores(llama, long, 5, "atp"),
+                 lambda: igdpa.dpa_kept(llama, None, long, 5)):
+        with pytest.raises(ValueError, match="sequence of 65 tokens is longer than the model's context of 64"):
+            call()
+    flags = torch.tensor([[True, False, True, True]])
+    with pytest.raises(ValueError, match="integer token ids, got dtype torch.bool"):
+        igdpa.dpa_ablation(llama, flags, 5, {})
+    with pytest.raises(ValueError, match="integer token ids .*torch.bool"):
+        igc.causal_trace(llama, flags, None, 5, subject=(0, 2))
+
+
+def test_dpa_unknown_values():
+    import iglens_dpa as igdpa
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (1, 6))
+    with pytest.raises(ValueError, match=r"quantity must be one of \('prob', 'logprob'\), got 'logits'"):
+        igdpa.dpa_scores(model, ids, 5, "atp", quantity="logits")
+    for budget in (-1, 0, "1GB", 2.5):
+        with pytest.raises(ValueError, match=r"memory_budget must be a positive integer number of bytes, got"):
+            igdpa.dpa_ablation(model, ids, 5, {}, memory_budget=budget)
+        with pytest.raises(ValueError, match=r"memory_budget must be a positive integer number of bytes, got"):
+            igdpa.dpa_scores(model, ids, 5, "exhaustive", memory_budget=budget)
+    with pytest.raises(ValueError, match=r"scores\['edges'\] must be numbers"):
+        igdpa.dpa_ablation(model, ids, 5, {"edges": "top heads"})
+
+
+def test_components_checks_the_trace_and_steps_as_ig_lens(setup):
+    model, _ = setup
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    other = tiny_model("gpt2")  # 3 blocks of width 32 as well, another MLP width
+    with pytest.raises(ValueError, match="the trace comes from another model"):
+        ig.components(model, ig.collect_components(other, ids, 4))
+    deeper = ig.collect_components(tiny_model("llama"), ids, 4)
+    deeper.hidden = torch.cat([deeper.hidden, deeper.hidden[-1:]])  # 4 blocks' worth
+    with pytest.raises(ValueError, match=r"hidden of shape \(5, 4, 32\) but the model has 3 blocks"):
+        ig.components(model, deeper)
+    trace = ig.collect_components(model, ids, 4)
+    with pytest.raises(ValueError, match=r"steps=1000000000 .* steps must lie in 1\.\."):
+        ig.components(model, trace, steps=10**9)  # numpy asked for 7 TiB before
+    with pytest.raises(ValueError, match=r"steps=1000000000 .* steps must lie in 1\.\..*grid read"):
+        ig.components(model, trace, steps=10**9, estimator="prediction_aware")
+
+
+def test_foil_given_as_text(setup):
+    model, trace = setup
+    with pytest.raises(ValueError, match=r"foil must be a token id, not text ' Paris': pass tokenizer\.encode"):
+        ig.ig_lens(model, trace, foil=" Paris")
+    parts = ig.collect_components(model, trace.input_ids, trace.prompt_len)
+    with pytest.raises(ValueError, match=r"foil must be a token id, not text"):
+        ig.components(model, parts, foil=" Paris")
+
+
+def test_zero_dimensional_tensors_and_numpy_scalars_are_numbers():
+    import iglens_dpa as igdpa
+    model = tiny_model("llama")
+    clean = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    target = int(model(clean).logits[0, -1].argmax())
+    plain = igc.causal_trace(model, clean, None, target, subject=(1, 3), noise=0.5, seeds=[1, 2], min_gap=0.0)
+    for as_tensor in (torch.tensor, np.int64, np.int32):
+        same = igc.causal_trace(model, clean, None, as_tensor(target), subject=(as_tensor(1), as_tensor(3)),
+                                noise=np.float32(0.5) if as_tensor is not torch.tensor else torch.tensor(0.5),
+                                seeds=[as_tensor(1), as_tensor(2)], min_gap=np.float32(0.0))
+        torch.testing.assert_close(same.probs, plain.probs, atol=0, rtol=0)
+    assert igdpa.dpa_kept(model, None, clean, torch.tensor(target)) == igdpa.dpa_kept(model, None, clean, target)
+    trace = ig.collect(model, torch.cat([clean, torch.tensor([[target]])], 1), 6)
+    patched = igc.activation_patching(model, trace, clean, target=torch.tensor(0), min_gap=torch.tensor(0.0))
+    torch.testing.assert_close(patched.probs, igc.activation_patching(model, trace, clean, min_gap=0).probs)
+    with pytest.raises(ValueError, match=r"seeds must be a non-empty sequence of integers in -2\*\*63\.\.2\*\*64-1"):
+        igc.causal_trace(model, clean, None, target, subject=(1, 3), noise=0.5, seeds=[2**70])
+    with pytest.raises(ValueError, match=r"seeds must be .*got 7"):
+        igc.causal_trace(model, clean, None, target, subject=(1, 3), noise=0.5, seeds=7)
+    with pytest.raises(ValueError, match=r"target must be a token id in 0\.\.96, got 3\.0"):
+        igc.causal_trace(model, clean, None, torch.tensor(3.0), subject=(1, 3), noise=0.5)
+
+
+def test_source_route_scores_and_component_dla_name_what_to_pass(setup):
+    import iglens_stats as igs
+    model, trace = setup
+    parts = ig.collect_components(model, trace.input_ids, trace.prompt_len, sources=True)
+    result = ig.components(model, parts, resolution="source")
+    with pytest.raises(ValueError, match=r"parts must be an \(n, H, S\) .*got Components: pass one token's sources"):
+        igs.source_route_scores(result, np.zeros((6, 4)), 2)
+    with pytest.raises(ValueError, match=r"resolution must be 'head', 'neuron' or 'source', got 'sources'"):
+        igb.component_dla(model, parts, resolution="sources")
+
+
+def test_more_dpa_and_tracing_values():
+    import iglens_dpa as igdpa
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    for bad in ("0.1", -0.5, 1.0):
+        with pytest.raises(ValueError, match=r"min_prob must be a probability in \[0, 1\), got"):
+            igdpa.dpa_kept(model, None, ids, 5, min_prob=bad)
+    assert igdpa.dpa_kept(model, None, ids, 5, min_prob=np.float32(0.1)) == igdpa.dpa_kept(model, None, ids, 5)
+    with pytest.raises(ValueError, match="fractions must be numbers"):
+        igdpa.dpa_ablation(model, ids, 5, {}, fractions=["half"])
+    scores = igdpa.dpa_scores(model, ids, 5, "random", seed=torch.tensor(3))
+    assert torch.equal(scores["edges"], igdpa.dpa_scores(model, ids, 5, "random", seed=3)["edges"])
+    target = int(model(ids).logits[0, -1].argmax())
+    kwargs = dict(subject=(1, 3), noise=0.5, seeds=[1], min_gap=0.0)
+    torch.testing.assert_close(igc.causal_trace(model, ids, None, target, batch_size=torch.tensor(3), **kwargs).probs,
+                               igc.causal_trace(model, ids, None, target, batch_size=3, **kwargs).probs)

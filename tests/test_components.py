@@ -185,7 +185,7 @@ def test_resolution_picks_the_split(case):
 
 def test_memory_budget_chunks_give_the_same_shares(case):
     arch, model, trace = case
-    small = ig.Readout(model, memory_budget=1)  # one row per chunk
+    small = ig.Readout(model, memory_budget=97 * 16 * 5)  # one token's grid of 5 points per chunk (check_steps' least)
     torch.testing.assert_close(ig.components(model, trace, steps=5, readout=small).neurons,
                                ig.components(model, trace, steps=5).neurons, atol=1e-7, rtol=0)
 
@@ -213,7 +213,7 @@ def test_bad_input():
         ig.components(model, plain)
     with pytest.raises(ValueError, match="collect_components"):
         igb.component_dla(model, plain)
-    with pytest.raises(ValueError, match="resolution must be 'head' or 'neuron'"):
+    with pytest.raises(ValueError, match="resolution must be 'head', 'neuron' or 'source', got 'both'"):
         igb.component_dla(model, trace, resolution="both")
     with pytest.raises(ValueError, match=r"block in 1..3 and index in 0..3"):
         igc.component_ablation(model, trace, [[(1, 4)]])
@@ -275,3 +275,32 @@ def test_component_ablation_mean_mode():
         logits = edited(trace.input_ids, use_cache=False).logits[0, trace.positions]
     p = torch.softmax(logits, -1).gather(-1, trace.targets[:, None])[:, 0]
     torch.testing.assert_close(drops, trace.model_probs - p, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("gemma3", torch.bfloat16), ("gpt2", torch.bfloat16),
+                                        ("gpt2", torch.float16)])
+def test_components_in_bfloat16_and_float16(arch, dtype):
+    """Issue 30: bfloat16 (about 3 significant digits) runs. The parts are computed in float32 or
+    better from the model's own bf16 activations; the rebuild check allows the stream's bf16
+    rounding. Held to: the parts add up to the attention and MLP terms within eps_bf16 * max |f|
+    (2^-7 of the largest f on the path: f itself is read out in bf16), and every share, term and
+    node of the lens agrees with the float32 model's within 5% of the float32 values' largest plus
+    that same eps_bf16 * max |f| (a term is a difference of two f read in bf16). float16 (GPT-2:
+    its LayerNorm's tangent overflowed under torch.func) is held to its own eps."""
+    from conftest import tiny_model
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for kind in (torch.float32, dtype):
+        model = tiny_model(arch, seed=1, dtype=kind)
+        found[kind] = ig.components(model, ig.collect_components(model, ids, 5), resolution="both")
+    low, ref = found[dtype], found[torch.float32]
+    assert low.heads.dtype == torch.float32 and low.rebuild < 1e-2
+    tol = torch.finfo(dtype).eps * float(low.lens.abs().max())
+    assert float((low.heads.sum(-1) - low.attn).abs().max()) <= tol
+    assert float((low.neurons.sum(-1) - low.mlp).abs().max()) <= tol
+    for name in ("heads", "neurons", "attn", "mlp", "lens"):
+        expected = getattr(ref, name)
+        torch.testing.assert_close(getattr(low, name), expected, atol=0.05 * float(expected.abs().max()) + tol, rtol=0)
+    import iglens_dpa as igdpa  # dpa_scores(..., "ig_lens") goes through components with sources
+    scores = igdpa.dpa_scores(model, ids[:, :9], 5, "ig_lens")  # the bfloat16 model
+    assert torch.isfinite(scores["edges"]).all() and scores["edges"].abs().max() > 0
