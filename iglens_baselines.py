@@ -361,14 +361,6 @@ def frozen_parameters(model):
             param.requires_grad_(flag)
 
 
-def plain_number(value):
-    """A 0-d tensor or array or a numpy scalar as the Python number it holds (a bool stays a bool, for
-    the caller to refuse); anything else as it is. Callers then check the type and the range."""
-    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and np.ndim(value) == 0:
-        return value.item()
-    return value
-
-
 def _captum_column(explainer, hooks, inputs, baselines, steps: int, method: str):
     """One captum ``attribute`` call, its hooks removed afterwards.
 

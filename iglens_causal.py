@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from iglens_core import (Adapter, Readout, Trace, check_same_model, check_sequence, first_output, get_adapter,
-                         hidden_arg, precision, replace_first, sublayer_module)
-from iglens_baselines import component_layout, plain_number
+                         hidden_arg, plain_number, precision, replace_first, sublayer_module)
+from iglens_baselines import component_layout
 from iglens_stats import restoration_half
 
 

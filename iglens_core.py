@@ -1331,6 +1331,14 @@ class Attribution:
         return pd.DataFrame(rows)
 
 
+def plain_number(value):
+    """A 0-d tensor or array or a numpy scalar as the Python number it holds (a bool stays a bool, for
+    the caller to refuse); anything else as it is. Callers then check the type and the range."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and np.ndim(value) == 0:
+        return value.item()
+    return value
+
+
 def check_foil(foil, targets: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
     """Validate a foil: one token id, or one per predicting position; returns (T,) long or None.
 

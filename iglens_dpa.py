@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, check_quantity, check_sequence, collect_components,
-                         components, eager_attention, get_adapter, head_counts, logits_at_end, projection_weight,
-                         sublayer_module, sublayer_projection)
-from iglens_baselines import frozen_parameters, plain_number
+                         components, eager_attention, get_adapter, head_counts, logits_at_end, plain_number,
+                         projection_weight, sublayer_module, sublayer_projection)
+from iglens_baselines import frozen_parameters
 
 
 # A peer's benchmark (DPA, arXiv 2603.19742, lab-paper-code/dual_path_attribution,
