@@ -695,3 +695,45 @@ def _map_above_trace(values, restoration, tokens: Sequence[str], *, first: int, 
     fig.colorbar(image, ax=ax_trace, label="restoration r(s, L)", pad=0.01)
     fig.suptitle(title, fontsize=11)
     return fig
+
+
+def plot_graph(nodes, links, tokens: Sequence[str], n_layers: int, *, title: str = "",
+               figsize: tuple[float, float] = (13, 8)):
+    """A pruned attribution graph drawn on the (position, block) plane.
+
+    Args:
+        nodes: items with ``kind`` (``"head"``, ``"neuron"``, ``"embedding"``), ``block`` (0..n),
+            ``position`` and ``share`` (e.g. ``iglens_graph.Graph.pruned()``); marker by kind, area by
+            |share|, colour by sign.
+        links: ``(key_position, block, query_position, share)``: a head of ``block`` at the query
+            reading the state ``h_(block-1)`` at the key; drawn from (key, block - 1) to (query,
+            block), width by |share|, colour by sign.
+        tokens: (S,) the positions' tokens; n_layers: n.
+    """
+    import matplotlib.pyplot as plt
+    nodes, links = list(nodes), [tuple(link) for link in links]
+    if not nodes:
+        raise ValueError("nodes must hold at least one node (a pruned graph of a token with Δp = 0 is empty)")
+    largest = max([abs(float(node.share)) for node in nodes] + [abs(float(link[3])) for link in links] + [1e-12])
+    fig, ax = plt.subplots(figsize=figsize, constrained_layout=True)
+    for key, block, query, share in links:
+        ax.plot([key, query], [block - 1, block], color="tab:red" if share > 0 else "tab:blue",
+                lw=0.5 + 6 * abs(share) / largest, alpha=0.5, zorder=1)
+    markers = {"head": "o", "neuron": "s", "embedding": "^"}
+    for kind, marker in markers.items():
+        picked = [node for node in nodes if node.kind == kind]
+        if not picked:
+            continue
+        shares = np.array([float(node.share) for node in picked])
+        ax.scatter([node.position for node in picked], [node.block for node in picked], marker=marker,
+                   s=20 + 600 * np.abs(shares) / largest, c=np.where(shares > 0, "tab:red", "tab:blue"),
+                   edgecolors="black", linewidths=0.4, alpha=0.8, zorder=2, label=f"{kind}s ({len(picked)})")
+    ax.set_xticks(range(len(tokens)), token_labels(tokens), rotation=90, fontsize=7)
+    ax.set_ylim(-0.7, n_layers + 0.7)
+    ax.set_ylabel("block (0: token embeddings)")
+    ax.set_xlabel("position")
+    ax.grid(alpha=0.2)
+    ax.legend(loc="upper left", fontsize=8, title="red adds, blue removes; area and width by |share|",
+              title_fontsize=8)
+    ax.set_title(title, fontsize=11)
+    return fig

@@ -195,3 +195,20 @@ def test_carried_vs_trace_figure_draws_both_node_grids():
     plt.close(fig)
     with pytest.raises(ValueError, match="restoration must be"):
         igp.plot_carried_vs_trace(carried[1:], restoration, [f"t{i}" for i in range(6)])
+
+
+def test_graph_figure_draws_every_node_and_link():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from collections import namedtuple
+    Node = namedtuple("Node", "kind block position index share")
+    nodes = [Node("embedding", 0, 1, 0, 0.1), Node("head", 2, 4, 3, 0.3), Node("neuron", 3, 4, 7, -0.2)]
+    links = [(1, 2, 4, 0.25), (0, 2, 4, -0.05)]
+    fig = igp.plot_graph(nodes, links, [f"t{i}" for i in range(5)], 3, title="g")
+    ax = fig.axes[0]
+    assert len(ax.lines) == len(links) and len(ax.collections) == 3  # one scatter per kind
+    assert [tuple(line.get_xydata()[:, 0]) for line in ax.lines] == [(1.0, 4.0), (0.0, 4.0)]
+    plt.close(fig)
+    with pytest.raises(ValueError, match="at least one node"):
+        igp.plot_graph([], links, ["a"], 3)
