@@ -39,7 +39,7 @@ the head and neuron shares (from ``gbar`` alone) is ``components``'s.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
@@ -319,9 +319,33 @@ def _record(model, adapter, parts: list[dict], input_ids: torch.Tensor) -> dict:
             for hook in hooks:
                 stack.callback(hook.remove)
         stack.enter_context(eager_attention(model))
+        stack.enter_context(_float64_softmax(next(model.parameters()).dtype == torch.float64))
         with torch.no_grad():
             model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
     return store
+
+
+@contextmanager
+def _float64_softmax(enabled: bool):
+    """While ``enabled``: ``torch.nn.functional.softmax(x, dtype=torch.float32)`` on a float64 ``x``
+    stays in float64. Eager attention (Llama, Qwen, Gemma) computes its softmax in float32 whatever
+    the dtype: a float64 model's patterns then round at 1e-8 and its states miss the sdpa pass's by
+    1e-10 in probability (measured on a sharpened tiny Llama)."""
+    if not enabled:
+        yield
+        return
+    original = torch.nn.functional.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if dtype == torch.float32 and isinstance(input, torch.Tensor) and input.dtype == torch.float64:
+            dtype = None
+        return original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    torch.nn.functional.softmax = softmax
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = original
 
 
 def _gap(rebuilt: torch.Tensor, recorded: torch.Tensor) -> float:
