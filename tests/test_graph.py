@@ -17,6 +17,19 @@ ARCHS = ["llama", "qwen2", "gemma3", "gpt2"]
 LENGTH, PROMPT = 9, 4
 
 
+def model_of(arch, dtype=torch.float64, seed=None):
+    """A sharpened tiny model whose projection biases (zero at initialisation) are random too, so that
+    the value, output, MLP and LayerNorm constants are all exercised."""
+    seed = ARCHS.index(arch) if seed is None else seed
+    model = sharp_model(arch, seed=seed, dtype=dtype)
+    gen = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") and "norm" not in name and ".ln_" not in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    return model
+
+
 def ids_of(seed=1, length=LENGTH, vocab=97):
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
@@ -38,7 +51,7 @@ def test_identities(arch, dtype):
     """Every node's readable + carried + constants above adds up to delta; the leaves add up to delta;
     each head's edges add up to its share; prediction-aware delta is f(h_n) - f(h_0) read off the
     model's own states (collect + Readout)."""
-    model = sharp_model(arch, seed=ARCHS.index(arch), dtype=dtype)
+    model = model_of(arch, dtype)
     ids = ids_of()
     graph = igg.attribution_graph(model, ids, PROMPT, token=2)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
@@ -57,7 +70,7 @@ def test_identities(arch, dtype):
 def test_identities_gauss_legendre_logprob_foil():
     """Another estimator, quantity and a foil: delta is the sum of the top terms, off f(h_n) - f(h_0)
     by the quadrature residual only; the identities still hold exactly."""
-    model = sharp_model("llama", dtype=torch.float64)
+    model = model_of("llama")
     graph = igg.attribution_graph(model, ids_of(2), PROMPT, token=1, estimator="gauss_legendre", steps=8,
                                   quantity="logprob", foil=5)
     gaps = check_identities(graph)
@@ -169,7 +182,7 @@ def test_sweep_matches_autograd_through_the_frozen_network(arch):
     """Embeddings, carried credit at every node and the head shares at every query equal autograd's
     through a copy of the model with detached patterns and norm denominators and MLPs replaced by their
     path integral (256 Gauss-Legendre points), within 1e-8."""
-    model = sharp_model(arch, seed=ARCHS.index(arch), dtype=torch.float64)
+    model = model_of(arch)
     ids, token = ids_of(3), 3
     graph = igg.attribution_graph(model, ids, PROMPT, token=token)
     gbar = gbar_of(model, ids, token)
@@ -283,7 +296,7 @@ def test_path_coefficients(name):
 def test_direct_part_is_components(arch, estimator):
     """At the predicting position, the heads' and neurons' shares from gbar alone are components's
     (bias column aside), within 1e-10; the top terms are its attention and MLP terms."""
-    model = sharp_model(arch, seed=ARCHS.index(arch), dtype=torch.float64)
+    model = model_of(arch)
     ids, token = ids_of(5), 3
     graph = igg.attribution_graph(model, ids, PROMPT, token=token, estimator=estimator, steps=8, edges=False)
     assert graph.edges is None
