@@ -129,6 +129,9 @@ def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where
         sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)  # (S, 1)
         gain = weight if weight is not None else torch.ones(x.shape[-1], dtype=torch.float64)
         candidates = [_Norm(gain / sigma, bias, True)]
+    elif name.lower().endswith("layernorm") and weight is None and bias is None:  # OLMo: no weight, eps 1e-5
+        sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + float(getattr(norm, "eps", 1e-5)))
+        candidates = [_Norm(torch.ones(x.shape[-1], dtype=torch.float64) / sigma, None, True)]
     elif "rmsnorm" in name.lower() and weight is not None and bias is None:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if not isinstance(eps, (int, float)):

@@ -2,7 +2,6 @@
 detached patterns and norm denominators and path-integrated MLPs, a linear control, the direct part
 against ``components``, and bad input."""
 import copy
-import math
 
 import numpy as np
 import pytest
@@ -65,6 +64,17 @@ def test_identities(arch, dtype):
     assert abs(graph.delta) > 1e-4  # something to attribute
     assert graph.carried[:, graph.position + 1:].abs().max() == 0  # nothing flows from the future
     assert graph.edges[..., graph.position + 1:].abs().max() == 0  # causal patterns
+
+
+@pytest.mark.parametrize("arch", ["llama32", "qwen3", "mistral", "gemma2", "olmo"])
+def test_identities_more_architectures(arch):
+    """Llama 3.2's rotary scaling, Qwen3's query/key norms, Mistral's and Gemma 2's sliding windows,
+    Gemma 2's attention soft-cap, OLMo's weightless LayerNorm: the same identities, float64."""
+    model = tiny_model(arch, seed=3, dtype=torch.float64)
+    graph = igg.attribution_graph(model, ids_of(8), PROMPT, token=1)
+    gaps = check_identities(graph)
+    assert max(gaps.values()) < 1e-12, gaps
+    assert graph.residual < 1e-12 and graph.rebuild < 1e-12
 
 
 def test_identities_gauss_legendre_logprob_foil():
@@ -368,5 +378,7 @@ def test_bad_input():
         igg.attribution_graph(model, ids, PROMPT, readout=ig.Readout(other))
     with pytest.raises(ValueError, match="parallel attention"):
         igg.attribution_graph(tiny_model("neox"), ids, PROMPT)
+    with pytest.raises(ValueError, match="cannot find the value projection of Phi3Attention"):
+        igg.attribution_graph(tiny_model("phi3"), ids, PROMPT)
     with pytest.raises(ValueError, match="edges must be True or False"):
         igg.attribution_graph(model, ids, PROMPT, edges=None)
