@@ -160,9 +160,12 @@ def _block_parts(block: nn.Module, layer: int) -> dict:
     where = f"block {layer + 1} ({type(block).__name__})"
     if getattr(block, "use_parallel_residual", False) or getattr(block, "parallel_attn", False):
         raise ValueError(f"{where}: parallel attention and MLP are not supported by the attribution graph")
-    attention, mlp = sublayer_module(block, "attn"), sublayer_module(block, "mlp")
-    out_proj, post_attn = sublayer_projection(block, "attn")
-    down_proj, post_mlp = sublayer_projection(block, "mlp")
+    try:
+        attention, mlp = sublayer_module(block, "attn"), sublayer_module(block, "mlp")
+        out_proj, post_attn = sublayer_projection(block, "attn")
+        down_proj, post_mlp = sublayer_projection(block, "mlp")
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}; the attribution graph does not support it") from error
     norm1 = _attr(block, _INPUT_NORMS)
     norm2 = _attr(block, _MLP_NORMS[:1] if hasattr(block, "pre_feedforward_layernorm") else _MLP_NORMS[1:])
     if norm1 is None or norm2 is None:
@@ -172,18 +175,21 @@ def _block_parts(block: nn.Module, layer: int) -> dict:
         values = ("v_proj", attention.v_proj)
     elif isinstance(getattr(attention, "c_attn", None), nn.Module):
         values = ("c_attn", attention.c_attn)
+    elif isinstance(getattr(attention, "qkv_proj", None), nn.Module):  # Phi-3
+        values = ("qkv_proj", attention.qkv_proj)
     else:
         raise ValueError(f"{where}: cannot find the value projection of {type(attention).__name__} "
-                         "(looked for v_proj, c_attn); the attribution graph does not support it")
-    if all(isinstance(getattr(mlp, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")):
-        kind, act = "gated", getattr(mlp, "act_fn", None)
-        if any(getattr(getattr(mlp, n), "bias", None) is not None for n in ("gate_proj", "up_proj")):
+                         "(looked for v_proj, c_attn, qkv_proj); the attribution graph does not support it")
+    gates = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "gate_up_proj")]
+    if all(isinstance(g, nn.Module) for g in gates[:2]) or isinstance(gates[2], nn.Module):
+        kind, act = "gated", getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+        if any(getattr(g, "bias", None) is not None for g in gates):
             raise ValueError(f"{where}: a gated MLP with gate or up biases is not supported")
     elif isinstance(getattr(mlp, "c_fc", None), nn.Module):
         kind, act = "plain", getattr(mlp, "act", None)
     else:
         raise ValueError(f"{where}: cannot read the MLP {type(mlp).__name__} (looked for gate_proj, "
-                         "up_proj, down_proj or c_fc, c_proj); the attribution graph does not support it")
+                         "up_proj (or gate_up_proj), down_proj or c_fc, c_proj); the attribution graph does not support it")
     if act is None:
         raise ValueError(f"{where}: cannot find the MLP's activation (act_fn or act)")
     return dict(attention=attention, mlp=mlp, out_proj=out_proj, post_attn=post_attn, down_proj=down_proj,
@@ -443,8 +449,11 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         W_down, b_down = _weights(part["down_proj"])  # (d, d_ff), (d,)
         act = part["act"]
         if part["kind"] == "gated":
-            W_g, _ = _weights(part["mlp"].gate_proj)  # (d_ff, d)
-            W_u, _ = _weights(part["mlp"].up_proj)
+            if isinstance(getattr(part["mlp"], "gate_up_proj", None), nn.Module):  # Phi-3: gate, then up
+                W_g, W_u = _weights(part["mlp"].gate_up_proj)[0].chunk(2, 0)  # (d_ff, d) each
+            else:
+                W_g, _ = _weights(part["mlp"].gate_proj)  # (d_ff, d)
+                W_u, _ = _weights(part["mlp"].up_proj)
             g, u = z @ W_g.T, z @ W_u.T  # (S, d_ff)
             a, b, err = path_coefficients(act, g)
             defect = max(defect, err)
@@ -487,7 +496,10 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         W_v, b_v = _weights(module)
         if name == "c_attn":  # GPT-2: queries, keys, values stacked
             W_v, b_v = W_v[2 * d:], (b_v[2 * d:] if b_v is not None else None)
-        kv = H_kv if name == "v_proj" else H
+        elif name == "qkv_proj":  # Phi-3: H query heads, H_kv key heads, H_kv value heads
+            cut = W_v.shape[0] * (H + H_kv) // (H + 2 * H_kv)
+            W_v, b_v = W_v[cut:], (b_v[cut:] if b_v is not None else None)
+        kv = H if name == "c_attn" else H_kv
         v = (x1 @ W_v.T + (b_v if b_v is not None else 0.0)).view(S, kv, -1)  # (S, H_kv, hd)
         group = torch.arange(H) // (H // kv)
         v_heads = v[:, group]  # (S, H, hd)

@@ -66,10 +66,11 @@ def test_identities(arch, dtype):
     assert graph.edges[..., graph.position + 1:].abs().max() == 0  # causal patterns
 
 
-@pytest.mark.parametrize("arch", ["llama32", "qwen3", "mistral", "gemma2", "olmo"])
+@pytest.mark.parametrize("arch", ["llama32", "qwen3", "mistral", "gemma2", "olmo", "phi3"])
 def test_identities_more_architectures(arch):
     """Llama 3.2's rotary scaling, Qwen3's query/key norms, Mistral's and Gemma 2's sliding windows,
-    Gemma 2's attention soft-cap, OLMo's weightless LayerNorm: the same identities, float64."""
+    Gemma 2's attention soft-cap, OLMo's weightless LayerNorm, Phi-3's stacked qkv and gate-up
+    projections: the same identities, float64."""
     model = tiny_model(arch, seed=3, dtype=torch.float64)
     graph = igg.attribution_graph(model, ids_of(8), PROMPT, token=1)
     gaps = check_identities(graph)
@@ -378,7 +379,9 @@ def test_bad_input():
         igg.attribution_graph(model, ids, PROMPT, readout=ig.Readout(other))
     with pytest.raises(ValueError, match="parallel attention"):
         igg.attribution_graph(tiny_model("neox"), ids, PROMPT)
-    with pytest.raises(ValueError, match="cannot find the value projection of Phi3Attention"):
-        igg.attribution_graph(tiny_model("phi3"), ids, PROMPT)
+    odd = tiny_model("llama", dtype=torch.float64)
+    blocks(odd)[1].mlp = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    with pytest.raises(ValueError, match="block 2 .*cannot find the mlp output projection"):
+        igg.attribution_graph(odd, ids, PROMPT)
     with pytest.raises(ValueError, match="edges must be True or False"):
         igg.attribution_graph(model, ids, PROMPT, edges=None)
