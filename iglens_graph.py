@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_same_model, check_sequence,
-                         eager_attention, first_output, get_adapter, head_counts, hidden_arg, projection_weight,
-                         quadrature, sublayer_module, sublayer_projection)
+                         eager_attention, first_output, get_adapter, head_counts, hidden_arg, logits_at_end,
+                         projection_weight, quadrature, sublayer_module, sublayer_projection)
 
 PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
 REBUILD_TOLERANCE = 1e-3  # relative gap between the linearised block and the recorded states
@@ -260,6 +260,15 @@ class Graph:
     def n_layers(self) -> int:
         return self.heads.shape[0]
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """(S,) the sequence positions, the columns of ``carried``, ``heads``, ``neurons``, ``edges``."""
+        return torch.arange(len(self.input_ids))
+
+    def tokens(self, tokenizer) -> list[str]:
+        """The sequence's tokens as text, one per position."""
+        return [tokenizer.decode([i]) for i in self.input_ids.tolist()]
+
     def pruned(self, fraction: float = 0.8) -> list[Node]:
         """The nodes that together carry ``fraction`` of the total |share| of their layer-kind.
 
@@ -330,7 +339,7 @@ def _record(model, adapter, parts: list[dict], input_ids: torch.Tensor) -> dict:
         stack.enter_context(eager_attention(model))
         stack.enter_context(_float64_softmax(next(model.parameters()).dtype == torch.float64))
         with torch.no_grad():
-            model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
+            logits_at_end(model, 1, input_ids=input_ids.to(next(model.parameters()).device))
     return store
 
 

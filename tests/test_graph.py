@@ -63,6 +63,8 @@ def test_identities(arch, dtype):
     assert graph.residual < tol and graph.rebuild < (1e-12 if dtype == torch.float64 else 1e-5)
     assert abs(graph.delta) > 1e-4  # something to attribute
     assert graph.carried[:, graph.position + 1:].abs().max() == 0  # nothing flows from the future
+    assert graph.position == PROMPT + 1 and graph.target == int(ids[0, PROMPT + 2])
+    assert torch.equal(graph.positions, torch.arange(LENGTH)) and torch.equal(graph.input_ids, ids[0])
     assert graph.edges[..., graph.position + 1:].abs().max() == 0  # causal patterns
 
 
