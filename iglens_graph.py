@@ -211,6 +211,11 @@ class Node(NamedTuple):
 class Graph:
     """The attribution graph of one answer token, in the unit of f (float64).
 
+    A node's share is ``<cotangent on its output, its output>``: all the top credit that flows
+    through it, its own constants included (a GPT-2 neuron's ``act(b1)``, a head's value bias).
+    Identities: ``readable[L] + carried[L].sum() + constants_above[L] == delta`` for every L;
+    ``embeddings.sum() + constants == delta``; ``edges.sum(-1) == heads``.
+
     Attributes:
         token: index of the answer token in the trace; position: its predicting position t;
             target, foil: token ids (foil None); quantity, estimator, steps: as IG-Lens.
@@ -227,6 +232,7 @@ class Graph:
         neurons: (n, S, d_ff); neurons_direct: (n, d_ff) at t from gbar alone.
         rebuild: largest relative gap between the linearised blocks and the recorded states.
         quadrature_defect: largest error of the neuron path rule (see :func:`path_coefficients`).
+        gbar: (n, 2, d) the segment gradients at t (attention, MLP) that seed the sweep.
     """
     token: int
     position: int
