@@ -1,0 +1,560 @@
+"""An exact attribution graph in probability space (issue 31): IG-Lens's credit at the predicting
+position carried back to every earlier position, head, edge, neuron and token embedding.
+
+Construction. Fix, at the actual forward pass, every attention pattern and every norm's denominator
+(RMSNorm's ``rms(x)``; LayerNorm's standard deviation, its mean subtraction being linear; Gemma's
+sandwich post-norms ``g * u / rms(u)`` become diagonal maps at fixed ``rms(u)``). Each attention
+output at query q is then a linear map of the block-input states at keys k <= q (input norm,
+values, pattern, output projection, post-norm). Every MLP is split exactly by its path integral
+from 0: with ``z`` its normed input, ``J(z) = int_0^1 J_mlp(t z) dt`` satisfies
+``J(z) z = y(z) - y(0)``. For a gated MLP ``y = W_down(act(W_g z) * (W_u z))`` neuron i, with
+``g = W_g z``, ``u = W_u z``, sends a cotangent ``c`` on its output back to z as
+``c * (u a(g) W_g + b(g) W_u)`` where ``a(g) = int_0^1 t act'(t g) dt`` and
+``b(g) = int_0^1 act(t g) dt``; ``g a(g) + b(g) = act(g)`` (integrate ``d/dt [t act(t g)]``) makes
+it exact. ``a`` comes from a 64-node Gauss-Legendre rule in float64 (no pass through the model) and
+``b`` is set to ``act(g) - g a(g)``, so the split is exact whatever the rule's error; the rule's
+own ``b`` is kept as a check (``Graph.quadrature_defect``). A non-gated MLP with biases (GPT-2,
+``act(W1 z + b1)`` then ``W2``) uses the closed form ``(act(p + b1) - act(b1)) / p`` per neuron
+(``p = W1 z``) times the input map; ``act(b1)`` is a constant. Every constant (biases, LayerNorm's
+beta, ``y(0)``, the value bias through the pattern) is a leaf of its own: the constants.
+
+The network is then affine in its residual states, identically at the actual input. The top credit
+is IG-Lens's sublayer terms at the predicting position t: block M's attention and MLP increments
+``Delta(t)`` read against the path-averaged readout gradient ``gbar`` on their segment (as
+``iglens_core.components``). One backward sweep, block n down to the embeddings, carries a
+cotangent on every residual state (node L, position s): the cotangent on block M's MLP increment
+at s is ``cot_M(s) + [s == t] gbar_mlp_M``; it goes back through the linearised MLP and its input
+norm to ``mid_M(s)``, plus the residual ``cot_M(s)``; the cotangent on the attention increment is
+``cot_mid_M(s) + [s == t] gbar_attn_M``, back through post-norm, output projection, the pattern
+(rows at every query), values and input norm to the keys' states ``h_(M-1)(k)``.
+
+No credit flows through queries and keys: the patterns are fixed (as in circuit-tracer, DPA and
+DePass). Unlike them, this is in probability, needs no transcoder and has no error node.
+
+Identities (tests/test_graph.py): for every node L,
+``readable[L] + carried[L].sum() + constants_above[L] == delta``; the leaves (embeddings and
+constants) add up to ``delta``; each head's edges add up to its share; with the prediction-aware
+estimator ``delta`` is ``f(h_n) - f(h_0)`` exactly. At the predicting position the direct part of
+the head and neuron shares (from ``gbar`` alone) is ``components``'s.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_same_model, check_sequence,
+                         eager_attention, first_output, get_adapter, head_counts, hidden_arg, logits_at_end,
+                         projection_weight, quadrature, sublayer_module, sublayer_projection)
+
+PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
+REBUILD_TOLERANCE = 1e-3  # relative gap between the linearised block and the recorded states
+_INPUT_NORMS = ("input_layernorm", "ln_1")
+_MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+
+
+def _attr(module: nn.Module, names) -> Optional[nn.Module]:
+    for name in names:
+        found = getattr(module, name, None)
+        if isinstance(found, nn.Module):
+            return found
+    return None
+
+
+def _derivative(act: Callable, x: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``act'(x)`` by autograd (``act`` acts elementwise), same shape as ``x``."""
+    with torch.enable_grad():
+        x = x.detach().clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(act(x).sum(), x)
+    return grad.detach()
+
+
+def path_coefficients(act: Callable, g: torch.Tensor, nodes: int = PATH_NODES,
+                      chunk: int = 2 ** 20) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A gated neuron's path coefficients from 0, elementwise.
+
+    Args:
+        act: the elementwise activation; g: (...) gate pre-activations (cast to float64).
+        nodes: Gauss-Legendre nodes on [0, 1]; chunk: entries per batch of ``nodes`` evaluations.
+
+    Returns:
+        ``(a, b, defect)``: ``a = int_0^1 t act'(t g) dt`` by the rule, ``b = act(g) - g a`` (so that
+        ``g a + b = act(g)`` holds to rounding), and ``defect`` the largest gap between that ``b``
+        and the rule's own ``int_0^1 act(t g) dt``: the quadrature error.
+    """
+    g = torch.as_tensor(g).double()
+    t, w = np.polynomial.legendre.leggauss(nodes)
+    t, w = torch.from_numpy((t + 1) / 2), torch.from_numpy(w / 2)  # (m,), (m,)
+    flat = g.reshape(-1)
+    a, b_rule = torch.empty_like(flat), torch.empty_like(flat)
+    step = max(1, chunk // nodes)
+    for start in range(0, len(flat), step):
+        points = flat[start:start + step, None] * t  # (c, m)
+        a[start:start + step] = (_derivative(act, points) * (t * w)).sum(-1)
+        b_rule[start:start + step] = (act(points) * w).sum(-1)
+    b = act(flat) - flat * a
+    defect = float((b - b_rule).abs().max()) if len(flat) else 0.0
+    return a.view_as(g), b.view_as(g), defect
+
+
+@dataclass
+class _Norm:
+    """A norm at fixed denominator: ``y = scale * (x - mean(x) if centred else x) + beta``."""
+    scale: torch.Tensor  # (S, d)
+    beta: Optional[torch.Tensor]  # (d,) or None
+    centred: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x - x.mean(-1, keepdim=True) if self.centred else x
+        return self.scale * x + (self.beta if self.beta is not None else 0.0)
+
+    def back(self, cot: torch.Tensor) -> torch.Tensor:
+        """(S, d) the transpose of the linear part applied to a cotangent on the output."""
+        cot = self.scale * cot
+        return cot - cot.mean(-1, keepdim=True) if self.centred else cot
+
+
+def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where: str) -> _Norm:
+    """The norm ``norm`` at its recorded input ``x`` (S, d) float64, as a :class:`_Norm`; checked
+    against its recorded output."""
+    name = type(norm).__name__
+    weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    weight = weight.detach().double().cpu() if isinstance(weight, torch.Tensor) else None
+    bias = bias.detach().double().cpu() if isinstance(bias, torch.Tensor) else None
+    if isinstance(norm, nn.LayerNorm):
+        sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)  # (S, 1)
+        gain = weight if weight is not None else torch.ones(x.shape[-1], dtype=torch.float64)
+        candidates = [_Norm(gain / sigma, bias, True)]
+    elif name.lower().endswith("layernorm") and weight is None and bias is None:  # OLMo: no weight, eps 1e-5
+        sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + float(getattr(norm, "eps", 1e-5)))
+        candidates = [_Norm(torch.ones(x.shape[-1], dtype=torch.float64) / sigma, None, True)]
+    elif "rmsnorm" in name.lower() and weight is not None and bias is None:
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if not isinstance(eps, (int, float)):
+            raise ValueError(f"{where}: cannot read the epsilon of {name}")
+        rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))  # (S, 1)
+        candidates = [_Norm(weight / rms, None, False), _Norm((1.0 + weight) / rms, None, False)]
+    else:
+        raise ValueError(f"{where}: the norm {name} is neither a LayerNorm nor a weighted RMSNorm; "
+                         "the attribution graph does not support it")
+    gaps = [float((c.forward(x) - recorded).norm() / recorded.norm().clamp_min(1e-30)) for c in candidates]
+    best = int(np.argmin(gaps))
+    if gaps[best] > REBUILD_TOLERANCE:
+        raise ValueError(f"{where}: the norm {name} at a fixed denominator does not reproduce its "
+                         f"output (relative gap {gaps[best]:.1e}); unsupported norm")
+    return candidates[best]
+
+
+def _weights(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(W (out, in), bias (out,) or None)`` float64 on the CPU."""
+    weight, bias = projection_weight(proj)
+    return weight.double().cpu(), (bias.double().cpu() if bias is not None else None)
+
+
+def _block_parts(block: nn.Module, layer: int) -> dict:
+    """The modules of one block the graph reads, or a ValueError naming what is missing."""
+    where = f"block {layer + 1} ({type(block).__name__})"
+    if getattr(block, "use_parallel_residual", False) or getattr(block, "parallel_attn", False):
+        raise ValueError(f"{where}: parallel attention and MLP are not supported by the attribution graph")
+    try:
+        attention, mlp = sublayer_module(block, "attn"), sublayer_module(block, "mlp")
+        out_proj, post_attn = sublayer_projection(block, "attn")
+        down_proj, post_mlp = sublayer_projection(block, "mlp")
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}; the attribution graph does not support it") from error
+    norm1 = _attr(block, _INPUT_NORMS)
+    norm2 = _attr(block, _MLP_NORMS[:1] if hasattr(block, "pre_feedforward_layernorm") else _MLP_NORMS[1:])
+    if norm1 is None or norm2 is None:
+        raise ValueError(f"{where}: cannot find its input norm (looked for {_INPUT_NORMS}) or its "
+                         f"pre-MLP norm (looked for {_MLP_NORMS})")
+    if isinstance(getattr(attention, "v_proj", None), nn.Module):
+        values = ("v_proj", attention.v_proj)
+    elif isinstance(getattr(attention, "c_attn", None), nn.Module):
+        values = ("c_attn", attention.c_attn)
+    elif isinstance(getattr(attention, "qkv_proj", None), nn.Module):  # Phi-3
+        values = ("qkv_proj", attention.qkv_proj)
+    else:
+        raise ValueError(f"{where}: cannot find the value projection of {type(attention).__name__} "
+                         "(looked for v_proj, c_attn, qkv_proj); the attribution graph does not support it")
+    gates = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "gate_up_proj")]
+    if all(isinstance(g, nn.Module) for g in gates[:2]) or isinstance(gates[2], nn.Module):
+        kind, act = "gated", getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+        if any(getattr(g, "bias", None) is not None for g in gates):
+            raise ValueError(f"{where}: a gated MLP with gate or up biases is not supported")
+    elif isinstance(getattr(mlp, "c_fc", None), nn.Module):
+        kind, act = "plain", getattr(mlp, "act", None)
+    else:
+        raise ValueError(f"{where}: cannot read the MLP {type(mlp).__name__} (looked for gate_proj, "
+                         "up_proj (or gate_up_proj), down_proj or c_fc, c_proj); the attribution graph does not support it")
+    if act is None:
+        raise ValueError(f"{where}: cannot find the MLP's activation (act_fn or act)")
+    return dict(attention=attention, mlp=mlp, out_proj=out_proj, post_attn=post_attn, down_proj=down_proj,
+                post_mlp=post_mlp, norm1=norm1, norm2=norm2, values=values, kind=kind, act=act)
+
+
+class Node(NamedTuple):
+    """One node of a pruned graph: ``kind`` ``"head"`` (index: head), ``"neuron"`` (index: neuron)
+    or ``"embedding"`` (block 0, index 0); ``block`` 1..n (0 for embeddings); ``position`` in the
+    sequence; ``share`` its credit in the unit of f."""
+    kind: str
+    block: int
+    position: int
+    index: int
+    share: float
+
+
+@dataclass
+class Graph:
+    """The attribution graph of one answer token, in the unit of f (float64).
+
+    A node's share is ``<cotangent on its output, its output>``: all the top credit that flows
+    through it, its own constants included (a GPT-2 neuron's ``act(b1)``, a head's value bias).
+    Identities: ``readable[L] + carried[L].sum() + constants_above[L] == delta`` for every L;
+    ``embeddings.sum() + constants == delta``; ``edges.sum(-1) == heads``.
+
+    Attributes:
+        token: index of the answer token in the trace; position: its predicting position t;
+            target, foil: token ids (foil None); quantity, estimator, steps: as IG-Lens.
+        input_ids: (S,) the sequence; S its length (positions after t carry nothing).
+        delta: the sum of the top terms; delta_p: ``f(h_n) - f(h_0)``; residual ``|delta - delta_p|``.
+        attn_terms, mlp_terms: (n,) the top terms ``<Delta_M(t), gbar_M>`` of each block.
+        readable: (n+1,) the top terms of blocks <= L, cumulated (the lens's term at t).
+        carried: (n+1, S) ``<cot_L(s), h_L(s)>``: what the state at node L, position s carries up.
+        constants_by_block: (n, 2) credit of the constants of each block's attention and MLP.
+        constants_above: (n+1,) constants of blocks > L; constants: their total (a leaf).
+        embeddings: (S,) ``carried[0]``, the token-embedding leaves.
+        heads: (n, H, S) head h of block L at query s; heads_direct: (n, H) at t from gbar alone.
+        edges: (n, H, S, S) (query, key) ``A(q, k) <v(k), back(q)>``; sums over keys to heads; or None.
+        neurons: (n, S, d_ff); neurons_direct: (n, d_ff) at t from gbar alone.
+        rebuild: largest relative gap between the linearised blocks and the recorded states.
+        quadrature_defect: largest error of the neuron path rule (see :func:`path_coefficients`).
+        gbar: (n, 2, d) the segment gradients at t (attention, MLP) that seed the sweep.
+    """
+    token: int
+    position: int
+    target: int
+    foil: Optional[int]
+    quantity: str
+    estimator: str
+    steps: int
+    input_ids: torch.Tensor
+    delta: float
+    delta_p: float
+    residual: float
+    attn_terms: torch.Tensor
+    mlp_terms: torch.Tensor
+    readable: torch.Tensor
+    carried: torch.Tensor
+    constants_by_block: torch.Tensor
+    constants_above: torch.Tensor
+    constants: float
+    embeddings: torch.Tensor
+    heads: torch.Tensor
+    heads_direct: torch.Tensor
+    neurons: torch.Tensor
+    neurons_direct: torch.Tensor
+    edges: Optional[torch.Tensor] = None
+    rebuild: float = 0.0
+    quadrature_defect: float = 0.0
+    gbar: Optional[torch.Tensor] = field(default=None, repr=False)  # (n, 2, d) attn, mlp
+
+    @property
+    def n_layers(self) -> int:
+        return self.heads.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(S,) the sequence positions, the columns of ``carried``, ``heads``, ``neurons``, ``edges``."""
+        return torch.arange(len(self.input_ids))
+
+    def tokens(self, tokenizer) -> list[str]:
+        """The sequence's tokens as text, one per position."""
+        return [tokenizer.decode([i]) for i in self.input_ids.tolist()]
+
+    def pruned(self, fraction: float = 0.8) -> list[Node]:
+        """The nodes that together carry ``fraction`` of the total |share| of their layer-kind.
+
+        Rule: the nodes are grouped by (kind, block): the heads of one block (all queries), the
+        neurons of one block (all positions), the embeddings. In each group, nodes are sorted by
+        |share| descending (ties: lower position, then lower index first) and the shortest prefix
+        whose |share| sum reaches ``fraction`` of the group's total is kept (none for a group whose
+        total is 0). Returned group by group, block order, largest first within a group.
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
+        groups = [("embedding", 0, self.embeddings[:, None])]  # (S, 1)
+        for layer in range(self.n_layers):
+            groups.append(("head", layer + 1, self.heads[layer].T))  # (S, H)
+            groups.append(("neuron", layer + 1, self.neurons[layer]))  # (S, d_ff)
+        out = []
+        for kind, block, shares in groups:
+            flat = shares.reshape(-1)
+            size = flat.abs()
+            total = float(size.sum())
+            if total == 0:
+                continue
+            order = np.argsort(-size.numpy(), kind="stable")  # row-major: position, then index
+            cumulative = np.cumsum(size.numpy()[order])
+            keep = int(np.searchsorted(cumulative, fraction * total * (1 - 1e-12))) + 1
+            for k in order[:keep]:
+                position, index = divmod(int(k), shares.shape[1])
+                out.append(Node(kind, block, position, index, float(flat[k])))
+        return out
+
+
+def _record(model, adapter, parts: list[dict], input_ids: torch.Tensor) -> dict:
+    """One eager forward pass; every block's input, patterns, norm inputs and outputs, and
+    output, at all positions, float64 on the CPU."""
+    store: dict = {}
+
+    def keep(key, tensor):
+        store[key] = tensor.detach()[0].double().cpu()
+
+    def keep_pattern(layer):
+        def hook(module, args, output):
+            probs = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+            if not isinstance(probs, torch.Tensor):
+                raise ValueError(f"the attention of block {layer + 1} ({type(module).__name__}) returned no "
+                                 "attention probabilities in eager mode; the attribution graph needs them")
+            keep(("pattern", layer), probs)
+        return hook
+
+    def keep_norm(key):
+        def hook(module, args, output):
+            keep((key, "in"), args[0])
+            keep((key, "out"), first_output(output))
+        return hook
+
+    with ExitStack() as stack:
+        for layer, (block, part) in enumerate(zip(adapter.blocks, parts)):
+            hooks = [block.register_forward_pre_hook(
+                         lambda mod, args, kwargs, layer=layer: keep(("h", layer), hidden_arg(args, kwargs)),
+                         with_kwargs=True),
+                     block.register_forward_hook(
+                         lambda mod, args, out, layer=layer: keep(("h", layer + 1), first_output(out))),
+                     part["attention"].register_forward_hook(keep_pattern(layer))]
+            for name in ("norm1", "norm2", "post_attn", "post_mlp"):
+                if part[name] is not None:
+                    hooks.append(part[name].register_forward_hook(keep_norm((name, layer))))
+            for hook in hooks:
+                stack.callback(hook.remove)
+        stack.enter_context(eager_attention(model))
+        stack.enter_context(_float64_softmax(next(model.parameters()).dtype == torch.float64))
+        with torch.no_grad():
+            logits_at_end(model, 1, input_ids=input_ids.to(next(model.parameters()).device))
+    return store
+
+
+@contextmanager
+def _float64_softmax(enabled: bool):
+    """While ``enabled``: ``torch.nn.functional.softmax(x, dtype=torch.float32)`` on a float64 ``x``
+    stays in float64. Eager attention (Llama, Qwen, Gemma) computes its softmax in float32 whatever
+    the dtype: a float64 model's patterns then round at 1e-8 and its states miss the sdpa pass's by
+    1e-10 in probability (measured on a sharpened tiny Llama)."""
+    if not enabled:
+        yield
+        return
+    original = torch.nn.functional.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if dtype == torch.float32 and isinstance(input, torch.Tensor) and input.dtype == torch.float64:
+            dtype = None
+        return original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    torch.nn.functional.softmax = softmax
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = original
+
+
+def _gap(rebuilt: torch.Tensor, recorded: torch.Tensor) -> float:
+    return float((rebuilt - recorded).norm() / recorded.norm().clamp_min(1e-30))
+
+
+def _check_int(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    return int(value)
+
+
+@torch.no_grad()
+def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, estimator: str = "prediction_aware",
+                      steps: int = 16, quantity: str = "prob", foil=None, readout: Optional[Readout] = None,
+                      edges: bool = True) -> Graph:
+    """The exact attribution graph of answer token ``token`` (see the module docstring).
+
+    Args:
+        model: a Hugging Face causal LM in eval mode (Llama family, Qwen2/3, Gemma 3, GPT-2, ...).
+        input_ids: (1, S) or (S,); prompt_len: first answer position, in ``1..S-1``.
+        token: answer token index in ``0..S-prompt_len-1``; its predicting position is
+            ``t = prompt_len - 1 + token``.
+        estimator, steps: IG-Lens's gradient estimator for the top terms (as ``components``);
+            ``"prediction_aware"`` makes ``delta`` equal ``f(h_n) - f(h_0)`` exactly.
+        quantity, foil, readout: as ``ig_lens`` (foil: one id or one per answer token).
+        edges: also return the (n, H, S, S) edges (float64; skip them for long sequences).
+
+    Returns:
+        :class:`Graph`.
+
+    Raises:
+        ValueError: a model in training mode, an unsupported architecture, a bad argument (named,
+            with its valid range), a readout from another model.
+    """
+    if isinstance(model, nn.Module) and model.training:
+        raise ValueError("the model is in training mode (dropout would change the pass): call model.eval() first")
+    input_ids = check_sequence(model, input_ids, prompt_len)
+    S = input_ids.shape[1]
+    token = _check_int("token", token, 0, S - prompt_len - 1)
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    steps = _check_int("steps", steps, 1, 10 ** 6)
+    check_quantity(quantity)
+    if not isinstance(edges, bool):
+        raise ValueError(f"edges must be True or False, got {edges!r}")
+    check_same_model(model, readout=readout)
+    readout = readout or Readout(model)
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    targets = input_ids[0, prompt_len:]
+    foils = check_foil(foil, targets, readout.vocab_size)
+    t = prompt_len - 1 + token
+    H, H_kv = head_counts(model)
+    parts = [_block_parts(block, layer) for layer, block in enumerate(adapter.blocks)]
+    store = _record(model, adapter, parts, input_ids)
+    h = [store[("h", layer)] for layer in range(n + 1)]  # n+1 x (S, d)
+    mid = [store[("norm2", layer), "in"] for layer in range(n)]  # n x (S, d)
+
+    # top credit: IG-Lens's segment gradients at t, as components() computes them
+    nodes = torch.stack([h[0][t]] + [x[t] for layer in range(n) for x in (mid[layer], h[layer + 1])])
+    nodes = nodes[:, None].to(readout.dtype)  # (2n+1, 1, d)
+    if estimator == "prediction_aware":
+        alphas, weights = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps, "observed"
+    else:
+        alphas, weights = quadrature(estimator, steps)
+    gbar, lens = readout.along_segments(nodes, targets[token:token + 1], alphas, weights=weights,
+                                        foils=None if foils is None else foils[token:token + 1],
+                                        quantity=quantity)  # (2n, 1, d), (2n+1, 1)
+    gbar = gbar[:, 0].double().cpu().view(n, 2, -1)  # (n, 2, d)
+    lens = lens[:, 0].double().cpu()
+    attn_terms = torch.stack([(mid[l][t] - h[l][t]) @ gbar[l, 0] for l in range(n)])  # (n,)
+    mlp_terms = torch.stack([(h[l + 1][t] - mid[l][t]) @ gbar[l, 1] for l in range(n)])  # (n,)
+    delta = float((attn_terms + mlp_terms).sum())
+    delta_p = float(lens[-1] - lens[0])
+    readable = torch.cat([torch.zeros(1, dtype=torch.float64), (attn_terms + mlp_terms).cumsum(0)])  # (n+1,)
+
+    d = h[0].shape[-1]
+    carried = torch.zeros(n + 1, S, dtype=torch.float64)
+    constants = torch.zeros(n, 2, dtype=torch.float64)
+    heads_out = torch.zeros(n, H, S, dtype=torch.float64)
+    heads_direct = torch.zeros(n, H, dtype=torch.float64)
+    edges_out = torch.zeros(n, H, S, S, dtype=torch.float64) if edges else None
+    neurons_out, neurons_direct = [], []
+    rebuild, defect = 0.0, 0.0
+    cot = torch.zeros(S, d, dtype=torch.float64)  # cotangent on h_n: nothing reads it but the top terms
+    for layer in reversed(range(n)):
+        part, where = parts[layer], f"block {layer + 1}"
+        # ---- the MLP, frozen at its recorded input
+        norm2 = _freeze_norm(part["norm2"], mid[layer], store[("norm2", layer), "out"], where + " pre-MLP norm")
+        z = norm2.forward(mid[layer])  # (S, d)
+        W_down, b_down = _weights(part["down_proj"])  # (d, d_ff), (d,)
+        act = part["act"]
+        if part["kind"] == "gated":
+            if isinstance(getattr(part["mlp"], "gate_up_proj", None), nn.Module):  # Phi-3: gate, then up
+                W_g, W_u = _weights(part["mlp"].gate_up_proj)[0].chunk(2, 0)  # (d_ff, d) each
+            else:
+                W_g, _ = _weights(part["mlp"].gate_proj)  # (d_ff, d)
+                W_u, _ = _weights(part["mlp"].up_proj)
+            g, u = z @ W_g.T, z @ W_u.T  # (S, d_ff)
+            a, b, err = path_coefficients(act, g)
+            defect = max(defect, err)
+            m = act(g) * u  # (S, d_ff) neuron outputs
+            m_const = torch.zeros_like(m)
+        else:
+            W_1, b_1 = _weights(part["mlp"].c_fc)  # (d_ff, d), (d_ff,)
+            b_1 = b_1 if b_1 is not None else torch.zeros(W_1.shape[0], dtype=torch.float64)
+            p = z @ W_1.T  # (S, d_ff)
+            m, m_const = act(p + b_1), act(b_1).expand_as(p)
+            slope = torch.where(p != 0, (m - m_const) / torch.where(p != 0, p, 1.0),
+                                _derivative(act, b_1).expand_as(p))
+        y = m @ W_down.T + (b_down if b_down is not None else 0.0)  # (S, d)
+        post2 = (_freeze_norm(part["post_mlp"], y, store[("post_mlp", layer), "out"], where + " post-MLP norm")
+                 if part["post_mlp"] is not None else None)
+        increment = post2.forward(y) if post2 is not None else y
+        rebuild = max(rebuild, _gap(mid[layer] + increment, h[layer + 1]))
+        c_y = cot.clone()
+        c_y[t] += gbar[layer, 1]
+        c_u = post2.back(c_y) if post2 is not None else c_y  # (S, d)
+        c_m = c_u @ W_down  # (S, d_ff) cotangent on each neuron's output
+        neurons_out.append(c_m * m)
+        read_t = (post2.scale[t] * gbar[layer, 1]) if post2 is not None else gbar[layer, 1]
+        neurons_direct.append((read_t @ W_down) * m[t])
+        const = float((c_u * b_down).sum()) if b_down is not None else 0.0
+        if part["kind"] == "gated":
+            c_z = (c_m * u * a) @ W_g + (c_m * b) @ W_u  # (S, d)
+        else:
+            c_z = (c_m * slope) @ W_1
+            const += float((c_m * m_const).sum())
+        if norm2.beta is not None:
+            const += float((c_z * norm2.beta).sum())
+        constants[layer, 1] = const
+        cot_mid = cot + norm2.back(c_z)  # (S, d)
+
+        # ---- the attention, patterns and denominators fixed
+        norm1 = _freeze_norm(part["norm1"], h[layer], store[("norm1", layer), "out"], where + " input norm")
+        x1 = norm1.forward(h[layer])  # (S, d)
+        name, module = part["values"]
+        W_v, b_v = _weights(module)
+        if name == "c_attn":  # GPT-2: queries, keys, values stacked
+            W_v, b_v = W_v[2 * d:], (b_v[2 * d:] if b_v is not None else None)
+        elif name == "qkv_proj":  # Phi-3: H query heads, H_kv key heads, H_kv value heads
+            cut = W_v.shape[0] * (H + H_kv) // (H + 2 * H_kv)
+            W_v, b_v = W_v[cut:], (b_v[cut:] if b_v is not None else None)
+        kv = H if name == "c_attn" else H_kv
+        v = (x1 @ W_v.T + (b_v if b_v is not None else 0.0)).view(S, kv, -1)  # (S, H_kv, hd)
+        group = torch.arange(H) // (H // kv)
+        v_heads = v[:, group]  # (S, H, hd)
+        A = store[("pattern", layer)]  # (H, S, S) query, key
+        if A.shape != (H, S, S):
+            raise ValueError(f"{where}: attention pattern of shape {tuple(A.shape)}, expected {(H, S, S)}")
+        zh = torch.einsum("hqk,khd->qhd", A, v_heads)  # (S, H, hd)
+        W_o, b_o = _weights(part["out_proj"])  # (d, H * hd)
+        o = zh.reshape(S, -1) @ W_o.T + (b_o if b_o is not None else 0.0)  # (S, d)
+        post1 = (_freeze_norm(part["post_attn"], o, store[("post_attn", layer), "out"], where + " post-attention norm")
+                 if part["post_attn"] is not None else None)
+        increment = post1.forward(o) if post1 is not None else o
+        rebuild = max(rebuild, _gap(h[layer] + increment, mid[layer]))
+        c_y = cot_mid.clone()
+        c_y[t] += gbar[layer, 0]
+        c_o = post1.back(c_y) if post1 is not None else c_y  # (S, d)
+        back = (c_o @ W_o).view(S, H, -1)  # (S, H, hd) cotangent on each head's output
+        heads_out[layer] = (zh * back).sum(-1).T
+        read_t = (post1.scale[t] * gbar[layer, 0]) if post1 is not None else gbar[layer, 0]
+        heads_direct[layer] = (zh[t] * (read_t @ W_o).view(H, -1)).sum(-1)
+        if edges_out is not None:
+            edges_out[layer] = A * torch.einsum("qhd,khd->hqk", back, v_heads)
+        c_vh = torch.einsum("hqk,qhd->khd", A, back)  # (S, H, hd) cotangent on each head's values
+        c_v = torch.zeros(S, kv, c_vh.shape[-1], dtype=torch.float64).index_add_(1, group, c_vh).reshape(S, -1)
+        const = float((c_o * b_o).sum()) if b_o is not None else 0.0
+        if b_v is not None:
+            const += float((c_v * b_v).sum())
+        c_x1 = c_v @ W_v  # (S, d)
+        if norm1.beta is not None:
+            const += float((c_x1 * norm1.beta).sum())
+        constants[layer, 0] = const
+        cot = cot_mid + norm1.back(c_x1)
+        carried[layer] = (cot * h[layer]).sum(-1)
+    if rebuild > REBUILD_TOLERANCE:
+        raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}): "
+                         "this architecture computes its blocks otherwise than the graph assumes")
+    above = constants.sum(1).flip(0).cumsum(0).flip(0)  # (n,) constants of blocks >= L+1
+    constants_above = torch.cat([above, torch.zeros(1, dtype=torch.float64)])  # (n+1,)
+    return Graph(token, t, int(targets[token]), None if foils is None else int(foils[token]), quantity, estimator,
+                 steps, input_ids[0].clone(), delta, delta_p, abs(delta - delta_p), attn_terms, mlp_terms,
+                 readable, carried, constants, constants_above, float(constants.sum()), carried[0].clone(),
+                 heads_out, heads_direct, torch.stack(neurons_out[::-1]), torch.stack(neurons_direct[::-1]),
+                 edges_out, rebuild, defect, gbar)

@@ -1,0 +1,389 @@
+"""The attribution graph (issue 31): its identities, the sweep against autograd through a network with
+detached patterns and norm denominators and path-integrated MLPs, a linear control, the direct part
+against ``components``, and bad input."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import iglens_core as ig
+import iglens_graph as igg
+from conftest import blocks, sharp_model, tiny_model
+
+ARCHS = ["llama", "qwen2", "gemma3", "gpt2"]
+LENGTH, PROMPT = 9, 4
+
+
+def model_of(arch, dtype=torch.float64, seed=None):
+    """A sharpened tiny model whose projection biases (zero at initialisation) are random too, so that
+    the value, output, MLP and LayerNorm constants are all exercised."""
+    seed = ARCHS.index(arch) if seed is None else seed
+    model = sharp_model(arch, seed=seed, dtype=dtype)
+    gen = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") and "norm" not in name and ".ln_" not in name:
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    return model
+
+
+def ids_of(seed=1, length=LENGTH, vocab=97):
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def check_identities(graph):
+    """Worst absolute gaps of the graph's identities (computed from its fields)."""
+    per_node = graph.readable + graph.carried.sum(1) + graph.constants_above - graph.delta  # (n+1,)
+    gaps = dict(nodes=float(per_node.abs().max()),
+                leaves=abs(float(graph.embeddings.sum()) + graph.constants - graph.delta),
+                edges=float((graph.edges.sum(-1) - graph.heads).abs().max()),
+                top=abs(float(graph.readable[-1]) - graph.delta),
+                carried_top=float(graph.carried[-1].abs().max()))
+    return gaps
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identities(arch, dtype):
+    """Every node's readable + carried + constants above adds up to delta; the leaves add up to delta;
+    each head's edges add up to its share; prediction-aware delta is f(h_n) - f(h_0) read off the
+    model's own states (collect + Readout)."""
+    model = model_of(arch, dtype)
+    ids = ids_of()
+    graph = igg.attribution_graph(model, ids, PROMPT, token=2)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    gaps = check_identities(graph)
+    assert max(gaps.values()) < tol, gaps
+    trace = ig.collect(model, ids, PROMPT)
+    readout = ig.Readout(model)
+    f = readout(trace.hidden[[0, -1], 2], trace.targets[2]).double()
+    assert abs(graph.delta - float(f[1] - f[0])) < tol
+    assert graph.residual < tol and graph.rebuild < (1e-12 if dtype == torch.float64 else 1e-5)
+    assert abs(graph.delta) > 1e-4  # something to attribute
+    assert graph.carried[:, graph.position + 1:].abs().max() == 0  # nothing flows from the future
+    assert graph.position == PROMPT + 1 and graph.target == int(ids[0, PROMPT + 2])
+    assert torch.equal(graph.positions, torch.arange(LENGTH)) and torch.equal(graph.input_ids, ids[0])
+    assert graph.edges[..., graph.position + 1:].abs().max() == 0  # causal patterns
+
+
+@pytest.mark.parametrize("arch", ["llama32", "qwen3", "mistral", "gemma2", "olmo", "phi3"])
+def test_identities_more_architectures(arch):
+    """Llama 3.2's rotary scaling, Qwen3's query/key norms, Mistral's and Gemma 2's sliding windows,
+    Gemma 2's attention soft-cap, OLMo's weightless LayerNorm, Phi-3's stacked qkv and gate-up
+    projections: the same identities, float64."""
+    model = tiny_model(arch, seed=3, dtype=torch.float64)
+    graph = igg.attribution_graph(model, ids_of(8), PROMPT, token=1)
+    gaps = check_identities(graph)
+    assert max(gaps.values()) < 1e-12, gaps
+    assert graph.residual < 1e-12 and graph.rebuild < 1e-12
+
+
+def test_identities_gauss_legendre_logprob_foil():
+    """Another estimator, quantity and a foil: delta is the sum of the top terms, off f(h_n) - f(h_0)
+    by the quadrature residual only; the identities still hold exactly."""
+    model = model_of("llama")
+    graph = igg.attribution_graph(model, ids_of(2), PROMPT, token=1, estimator="gauss_legendre", steps=8,
+                                  quantity="logprob", foil=5)
+    gaps = check_identities(graph)
+    assert max(gaps.values()) < 1e-10, gaps
+    assert graph.foil == 5 and graph.quantity == "logprob"
+    assert graph.residual == pytest.approx(abs(graph.delta - graph.delta_p), abs=1e-15)
+    assert graph.residual < 1e-2 * abs(graph.delta_p)
+
+
+# -- the sweep against autograd ------------------------------------------------------------------
+
+def gbar_of(model, ids, token, estimator="prediction_aware", steps=16):
+    """(n, 2, d) segment gradients at the predicting position, from the core's own trace."""
+    trace = ig.collect(model, ids, PROMPT, sublayer=True)
+    nodes, _, _ = ig.path_nodes(trace, list(range(1, trace.n_layers + 1)), "sublayer")
+    nodes = torch.cat([trace.hidden[:1], nodes])[:, token:token + 1]
+    alphas = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps
+    gbar, _ = ig.Readout(model).along_segments(nodes, trace.targets[token:token + 1], alphas, weights="observed")
+    return gbar[:, 0].double().view(trace.n_layers, 2, -1)
+
+
+def frozen_copy(model, arch, points=256):
+    """A copy of ``model`` whose backward is the graph's linear map: queries and keys detached (fixed
+    patterns), every norm's denominator detached, each MLP's Jacobian replaced by its average along
+    ``t z``, ``t`` in [0, 1] (Gauss-Legendre, ``points`` nodes); forward values unchanged."""
+    model = copy.deepcopy(model)
+    t, w = np.polynomial.legendre.leggauss(points)
+    t, w = torch.from_numpy((t + 1) / 2), torch.from_numpy(w / 2)
+    d = model.config.hidden_size
+
+    def detach_qk(module, args, out):
+        if arch == "gpt2":  # c_attn: queries, keys, values
+            return torch.cat([out[..., :2 * d].detach(), out[..., 2 * d:]], -1)
+        return out.detach()
+
+    def rms_forward(norm, offset):
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        gain = norm.weight + 1.0 if offset else norm.weight
+        return lambda x: gain * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps).detach()
+
+    def layer_forward(norm):
+        def forward(x):
+            centred = x - x.mean(-1, keepdim=True)
+            sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps).detach()
+            return norm.weight * centred / sigma + norm.bias
+        return forward
+
+    def path_mlp(original):
+        def forward(x):
+            x0 = x.detach()
+            points = t.view(-1, 1, 1, 1) * x0 + (x - x0)  # (m, 1, S, d): Jacobian of mlp at t x0
+            mean = (w.view(-1, 1, 1, 1) * original(points)).sum(0)
+            return original(x0).detach() + mean - mean.detach()
+        return forward
+
+    for block in blocks(model):
+        attention = block.attn if arch == "gpt2" else block.self_attn
+        for name in (("c_attn",) if arch == "gpt2" else ("q_proj", "k_proj")):
+            getattr(attention, name).register_forward_hook(detach_qk)
+        for module in block.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.forward = layer_forward(module)
+            elif "rmsnorm" in type(module).__name__.lower():
+                module.forward = rms_forward(module, offset="gemma" in type(module).__name__.lower())
+        block.mlp.forward = path_mlp(block.mlp.forward)
+    return model
+
+
+def autograd_credit(model, ids, token, gbar):
+    """Per node L: ``(h_L (S, d), d F / d h_L (S, d))`` with ``F = sum_M <gbar_M, Delta_M(t)>`` and the
+    heads' outputs and their gradients, by autograd through ``model``; the top term's own explicit
+    ``gbar_mlp_L`` at t taken off, so that the gradient is the credit of blocks above L."""
+    n, t = len(blocks(model)), PROMPT - 1 + token
+    states, mids, heads = {}, {}, {}
+
+    def keep(store, key, tensor):
+        tensor.retain_grad()
+        store[key] = tensor
+
+    hooks = []
+    for layer, block in enumerate(blocks(model)):
+        hooks.append(block.register_forward_pre_hook(
+            lambda m, args, kwargs, layer=layer: keep(states, layer, ig.hidden_arg(args, kwargs)), with_kwargs=True))
+        norm2 = getattr(block, "ln_2", None) or getattr(block, "pre_feedforward_layernorm", None) \
+            or block.post_attention_layernorm
+        hooks.append(norm2.register_forward_pre_hook(lambda m, args, layer=layer: keep(mids, layer, args[0])))
+        proj = block.attn.c_proj if hasattr(block, "attn") else block.self_attn.o_proj
+        hooks.append(proj.register_forward_pre_hook(lambda m, args, layer=layer: keep(heads, layer, args[0])))
+    hooks.append(blocks(model)[-1].register_forward_hook(
+        lambda m, args, out: keep(states, n, ig.first_output(out))))
+    with torch.enable_grad():
+        model(input_ids=ids, use_cache=False)
+        total = sum(gbar[l, 0] @ (mids[l][0, t] - states[l][0, t]) + gbar[l, 1] @ (states[l + 1][0, t] - mids[l][0, t])
+                    for l in range(n))
+        total.backward()
+    for hook in hooks:
+        hook.remove()
+    out = []
+    for layer in range(n + 1):
+        grad = states[layer].grad[0].clone()
+        if layer:
+            grad[t] -= gbar[layer - 1, 1]
+        out.append((states[layer][0].detach(), grad))
+    return out, {l: (heads[l][0].detach(), heads[l].grad[0]) for l in range(n)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sweep_matches_autograd_through_the_frozen_network(arch):
+    """Embeddings, carried credit at every node and the head shares at every query equal autograd's
+    through a copy of the model with detached patterns and norm denominators and MLPs replaced by their
+    path integral (256 Gauss-Legendre points), within 1e-8."""
+    model = model_of(arch)
+    ids, token = ids_of(3), 3
+    graph = igg.attribution_graph(model, ids, PROMPT, token=token)
+    gbar = gbar_of(model, ids, token)
+    assert torch.allclose(gbar, graph.gbar, rtol=0, atol=1e-14)
+    nodes, heads = autograd_credit(frozen_copy(model, arch), ids, token, gbar)
+    scale = float(graph.carried.abs().max())
+    for layer, (state, grad) in enumerate(nodes):
+        credit = (state * grad).sum(-1)  # (S,)
+        assert torch.allclose(credit, graph.carried[layer], rtol=0, atol=1e-8 * max(scale, 1e-3)), layer
+    assert torch.allclose((nodes[0][0] * nodes[0][1]).sum(-1), graph.embeddings, rtol=0, atol=1e-8 * max(scale, 1e-3))
+    H = graph.heads.shape[1]
+    for layer, (z, grad) in heads.items():
+        shares = (z * grad).view(z.shape[0], H, -1).sum(-1).T  # (H, S)
+        assert torch.allclose(shares, graph.heads[layer], rtol=0, atol=1e-8 * max(scale, 1e-3)), layer
+    # the frozen network is not the model: plain autograd through the real one gives other credit
+    plain, _ = autograd_credit(copy.deepcopy(model), ids, token, gbar)
+    assert not torch.allclose((plain[0][0] * plain[0][1]).sum(-1), graph.embeddings, rtol=0, atol=1e-6 * scale)
+
+
+def test_linear_control_equals_plain_jacobian_products():
+    """GPT-2 made affine: queries and keys zero (uniform causal patterns), identity activation, block
+    LayerNorms with a huge epsilon (their denominator constant to ~1e-12). Then the graph is plain
+    autograd through the unmodified forward: embeddings are <dF/dh_0, h_0>, the constants F at h_0 = 0,
+    and every edge is <v(k), back(q)> / (q + 1)."""
+    model = tiny_model("gpt2", dtype=torch.float64)
+    d = model.config.hidden_size
+    with torch.no_grad():
+        for block in blocks(model):
+            block.attn.c_attn.weight[:, :2 * d] = 0
+            block.attn.c_attn.bias[:2 * d] = 0
+            block.mlp.act = nn.Identity()
+            for norm in (block.ln_1, block.ln_2):
+                norm.eps = 1e12
+                norm.weight.mul_(1e6)
+    ids, token = ids_of(4), 2
+    graph = igg.attribution_graph(model, ids, PROMPT, token=token)
+    assert max(check_identities(graph).values()) < 1e-12
+    gbar = gbar_of(model, ids, token)
+    nodes, _ = autograd_credit(copy.deepcopy(model), ids, token, gbar)
+    scale = float(graph.carried.abs().max())
+    assert torch.allclose((nodes[0][0] * nodes[0][1]).sum(-1), graph.embeddings, rtol=0, atol=1e-9 * scale)
+    # F at h_0 = 0: the affine network's constant
+    n, t = len(blocks(model)), PROMPT - 1 + token
+    states, mids = {}, {}
+    hooks = [blocks(model)[0].register_forward_pre_hook(
+        lambda m, args, kwargs: ((torch.zeros_like(ig.hidden_arg(args, kwargs)),) + tuple(args[1:]), kwargs)
+        if args else (args, {**kwargs, "hidden_states": torch.zeros_like(kwargs["hidden_states"])}), with_kwargs=True)]
+    for layer, block in enumerate(blocks(model)):
+        hooks.append(block.register_forward_pre_hook(
+            lambda m, args, kwargs, layer=layer: states.__setitem__(layer, ig.hidden_arg(args, kwargs)[0]), with_kwargs=True))
+        hooks.append(block.ln_2.register_forward_pre_hook(lambda m, args, layer=layer: mids.__setitem__(layer, args[0][0])))
+    hooks.append(blocks(model)[-1].register_forward_hook(lambda m, args, out: states.__setitem__(n, ig.first_output(out)[0])))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    assert states[0].abs().max() == 0
+    at_zero = sum(float(gbar[l, 0] @ (mids[l][t] - states[l][t]) + gbar[l, 1] @ (states[l + 1][t] - mids[l][t]))
+                  for l in range(n))
+    assert graph.constants == pytest.approx(at_zero, abs=1e-9 * scale)
+    # uniform patterns: an edge is the value at k read against the head's gradient at q, over q + 1
+    values = {}
+    hooks = [block.attn.c_attn.register_forward_hook(
+        lambda m, args, out, layer=layer: values.__setitem__(layer, out[0, :, 2 * d:]))
+        for layer, block in enumerate(blocks(model))]
+    _, heads = autograd_credit(model, ids, token, gbar)
+    for hook in hooks:
+        hook.remove()
+    H, S = graph.heads.shape[1], ids.shape[1]
+    for layer in range(n):
+        v = values[layer].detach().view(S, H, -1)  # (S, H, hd)
+        back = heads[layer][1].view(S, H, -1)  # (S, H, hd)
+        expected = torch.einsum("khd,qhd->hqk", v, back) * torch.tril(torch.ones(S, S, dtype=torch.float64))
+        expected = expected / torch.arange(1, S + 1, dtype=torch.float64)[:, None]
+        assert torch.allclose(graph.edges[layer], expected, rtol=0, atol=1e-9 * scale), layer
+
+
+# -- the MLP path coefficients --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["identity", "relu", "silu", "gelu_tanh"])
+def test_path_coefficients(name):
+    """a(g) = int t act'(t g) dt, b(g) = int act(t g) dt: closed forms for identity (1/2, g/2) and ReLU
+    ([g>0]/2, relu(g)/2); SiLU and GELU-tanh against a 4000-node composite midpoint-Simpson rule;
+    g a + b = act(g) to rounding."""
+    acts = {"identity": lambda x: x, "relu": torch.relu, "silu": nn.functional.silu,
+            "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+    act = acts[name]
+    g = torch.linspace(-12, 12, 97, dtype=torch.float64)
+    a, b, defect = igg.path_coefficients(act, g)
+    assert torch.allclose(g * a + b, act(g), rtol=0, atol=1e-14)
+    if name == "identity":
+        assert torch.allclose(a, torch.full_like(g, 0.5), atol=1e-15) and torch.allclose(b, g / 2, atol=1e-14)
+        return
+    if name == "relu":  # a kink at 0: only exact for the integrals, not for the rule at g = 0
+        assert torch.allclose(b, torch.relu(g) / 2, atol=1e-14)
+        return
+    s = torch.linspace(0, 1, 4001, dtype=torch.float64)  # Simpson on [0, 1]
+    weights = torch.ones_like(s)
+    weights[1:-1:2], weights[2:-1:2] = 4, 2
+    weights = weights / (3 * 4000)
+    points = g[:, None] * s
+    reference_b = (act(points) * weights).sum(-1)
+    assert torch.allclose(b, reference_b, rtol=0, atol=1e-10)
+    assert defect < 1e-10
+
+
+# -- the direct part against components ------------------------------------------------------------
+
+@pytest.mark.parametrize("estimator", ["prediction_aware", "gauss_legendre"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_direct_part_is_components(arch, estimator):
+    """At the predicting position, the heads' and neurons' shares from gbar alone are components's
+    (bias column aside), within 1e-10; the top terms are its attention and MLP terms."""
+    model = model_of(arch)
+    ids, token = ids_of(5), 3
+    graph = igg.attribution_graph(model, ids, PROMPT, token=token, estimator=estimator, steps=8, edges=False)
+    assert graph.edges is None
+    trace = ig.collect_components(model, ids, PROMPT)
+    comps = ig.components(model, trace, resolution="both", estimator=estimator, steps=8)
+    H = graph.heads.shape[1]
+    assert torch.allclose(graph.heads_direct, comps.heads[token, :, :H].double(), rtol=0, atol=1e-10)
+    assert torch.allclose(graph.neurons_direct, comps.neurons[token, :, :-1].double(), rtol=0, atol=1e-10)
+    # the top terms are the parts' sums with the bias (components's terms are the exact lens steps,
+    # which the Gauss-Legendre parts miss by the quadrature residual)
+    assert torch.allclose(graph.attn_terms, comps.heads[token].double().sum(-1), rtol=0, atol=1e-10)
+    assert torch.allclose(graph.mlp_terms, comps.neurons[token].double().sum(-1), rtol=0, atol=1e-10)
+    if estimator == "prediction_aware":
+        assert torch.allclose(graph.attn_terms, comps.attn[token].double(), rtol=0, atol=1e-10)
+        assert torch.allclose(graph.mlp_terms, comps.mlp[token].double(), rtol=0, atol=1e-10)
+    # the direct part is part of the share: the last block's neurons get nothing else; its heads get
+    # their own block's MLP's credit besides
+    assert not torch.allclose(graph.heads[-1, :, graph.position], graph.heads_direct[-1], rtol=0, atol=1e-10)
+    assert torch.allclose(graph.neurons[-1, graph.position], graph.neurons_direct[-1], rtol=0, atol=1e-14)
+    assert not torch.allclose(graph.heads[0, :, graph.position], graph.heads_direct[0], rtol=0, atol=1e-10)
+
+
+# -- pruning ----------------------------------------------------------------------------------------
+
+def test_pruned_keeps_the_shortest_prefix_reaching_the_fraction():
+    graph = igg.attribution_graph(sharp_model("llama", dtype=torch.float64), ids_of(6), PROMPT, token=1)
+    kept = graph.pruned(0.8)
+    assert {node.kind for node in kept} == {"embedding", "head", "neuron"}
+    for kind, block, shares in [("embedding", 0, graph.embeddings[:, None])] + [
+            (kind, l + 1, part) for l in range(graph.n_layers)
+            for kind, part in (("head", graph.heads[l].T), ("neuron", graph.neurons[l]))]:
+        mine = [node for node in kept if node.kind == kind and node.block == block]
+        total = float(shares.abs().sum())
+        size = sum(abs(node.share) for node in mine)
+        assert size >= 0.8 * total * (1 - 1e-12)
+        assert size - min(abs(node.share) for node in mine) < 0.8 * total  # shortest prefix
+        for node in mine:
+            assert shares[node.position, node.index] == node.share
+    assert len(graph.pruned(1.0)) >= len(kept) >= len(graph.pruned(0.3))
+    with pytest.raises(ValueError, match="fraction"):
+        graph.pruned(1.5)
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+
+def test_bad_input():
+    model = tiny_model("llama", dtype=torch.float64)
+    ids = ids_of(7)
+    answers = LENGTH - PROMPT
+    model.train()
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        igg.attribution_graph(model, ids, PROMPT)
+    model.eval()
+    for token in (-1, answers, 1.0, True):
+        with pytest.raises(ValueError, match=rf"token must be an integer in 0\.\.{answers - 1}, got {token!r}"):
+            igg.attribution_graph(model, ids, PROMPT, token=token)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        igg.attribution_graph(model, ids, PROMPT, estimator="simpson")
+    with pytest.raises(ValueError, match="steps must be an integer in 1"):
+        igg.attribution_graph(model, ids, PROMPT, steps=0)
+    with pytest.raises(ValueError, match="quantity"):
+        igg.attribution_graph(model, ids, PROMPT, quantity="logit")
+    with pytest.raises(ValueError, match="prompt_len"):
+        igg.attribution_graph(model, ids, LENGTH)
+    with pytest.raises(ValueError, match="foil equals the target"):
+        igg.attribution_graph(model, ids, PROMPT, foil=int(ids[0, PROMPT]))
+    other = tiny_model("llama", seed=9, dtype=torch.float64)
+    with pytest.raises(ValueError, match="another model"):
+        igg.attribution_graph(model, ids, PROMPT, readout=ig.Readout(other))
+    with pytest.raises(ValueError, match="parallel attention"):
+        igg.attribution_graph(tiny_model("neox"), ids, PROMPT)
+    odd = tiny_model("llama", dtype=torch.float64)
+    blocks(odd)[1].mlp = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    with pytest.raises(ValueError, match="block 2 .*cannot find the mlp output projection"):
+        igg.attribution_graph(odd, ids, PROMPT)
+    with pytest.raises(ValueError, match="edges must be True or False"):
+        igg.attribution_graph(model, ids, PROMPT, edges=None)
