@@ -543,8 +543,9 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         out: the final results file (must end in ``.parquet``), or None to write nothing.
         resume: skip the ids already in ``OUT.parts/``. The settings that decide the numbers
             (:func:`run_settings`: model name and fingerprint, layers, estimator, baseline,
-            steps, chat, max_new_tokens, quantity, resolution, top_k) are kept in ``OUT.parts/settings.json``; resuming with
-            other ones raises ValueError listing what differs, and so do shards without it.
+            steps, chat, max_new_tokens, quantity, resolution, top_k) and the columns read (prompt,
+            answer, id and foil, as resolved) are kept in ``OUT.parts/settings.json``; resuming
+            with other ones raises ValueError listing what differs, and so do shards without it.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
         readout: a :class:`Readout` to reuse.
@@ -600,7 +601,8 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     run = _checked_run(model, readout, layers=layers, steps=steps, estimator=estimator, baseline=baseline,
                        quantity=quantity, resolution=resolution, top_k=top_k)
     rank, world = distributed_rank()
-    parts = _prepare_shards(run, out, resume, rank, world, chat=bool(chat), max_new_tokens=max_new_tokens)
+    parts = _prepare_shards(run, out, resume, rank, world, chat=bool(chat), max_new_tokens=max_new_tokens,
+                            **table.attrs.get("columns", {}))
     mine, done = _pending_items(table, parts, resume, rank, world)
     started = time.perf_counter()
     sink = _Sink(parts, rank)
@@ -666,7 +668,7 @@ def _checked_run(model, readout: Optional[Readout], *, layers, steps, estimator,
 def _prepare_shards(run: SimpleNamespace, out, resume: bool, rank: int, world: int, **recorded) -> Optional[Path]:
     """``OUT.parts/`` ready for the run (None without ``out``): with ``resume`` the settings are
     compared with the stored ones (every rank, so all stop alike); rank 0 then deletes old shards
-    (no ``resume``) and writes the settings. ``recorded``: chat and max_new_tokens."""
+    (no ``resume``) and writes the settings. ``recorded``: chat, max_new_tokens and the column names."""
     if out is None:
         return None
     parts = Path(str(out) + ".parts")
