@@ -368,3 +368,46 @@ def test_from_frame_names_missing_columns():
     frame = ig.ig_lens(model, random_trace(model, seed=7), layers=[1, 2]).to_frame()
     with pytest.raises(ValueError, match=r"frame lacks the columns \['lens_start', 'p_base'\]"):
         igt.attribution_from_frame(frame.drop(columns=["p_base", "lens_start"]))
+
+
+@pytest.mark.parametrize("make,code,match", [
+    (lambda tmp: tmp / "nowhere.csv", 2, r"No such file or directory"),
+    (lambda tmp: (tmp / "dir.csv").mkdir() or tmp / "dir.csv", 2, r"is a directory"),
+    (lambda tmp: (tmp / "locked.csv").write_text("prompt\nx\n") and (tmp / "locked.csv").chmod(0) or tmp / "locked.csv",
+     2, r"Permission denied|prompt"),  # root reads it anyway: then the run goes on to the model
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, make, code, match):
+    """Every expected failure: one line, ``iglens: error: ...``, exit status 2; no traceback."""
+    import re
+    import iglens_cli as igcli
+    monkeypatch.setattr(igcli, "load_model", lambda *a, **k: (_ for _ in ()).throw(ValueError("no model here")))
+    got = igcli.main(["--dataset", str(make(tmp_path)), "--out", str(tmp_path / "r.parquet")])
+    err = capsys.readouterr().err
+    assert got == code and err.startswith("iglens: error: ") and err.count("\n") == 1, err
+    assert re.search(match, err) or "no model here" in err, err
+
+
+def test_cli_unexpected_errors_and_interrupts(tmp_path, capsys, monkeypatch):
+    import iglens_cli as igcli
+    argv = ["--dataset", str(tmp_path / "x.csv"), "--out", str(tmp_path / "r.parquet")]
+    monkeypatch.setattr(igcli, "load_model", lambda *a, **k: {}["missing"])  # a bug: KeyError
+    assert igcli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("iglens: error: unexpected KeyError: 'missing'") and err.count("\n") == 1
+    with pytest.raises(KeyError):
+        igcli.main(argv + ["--debug"])
+    monkeypatch.setenv("IGLENS_DEBUG", "1")
+    with pytest.raises(KeyError):
+        igcli.main(argv)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(igcli, "load_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # main() leaves Ctrl-C to its caller
+        igcli.main(argv)
+    assert igcli.command(argv) == 130  # the iglens executable: one line
+    assert capsys.readouterr().err.startswith("iglens: interrupted")
+    monkeypatch.setattr(igcli, "load_model", lambda *a, **k: open(tmp_path / "gone" / "weights"))  # OSError
+    monkeypatch.delenv("IGLENS_DEBUG")
+    assert igcli.main(["Hi?"]) == 2
+    assert capsys.readouterr().err.startswith("iglens: error: [Errno 2] No such file")
