@@ -176,8 +176,11 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
         ``answer`` (str, or None for greedy), ``foil`` (str, or None).
 
     Raises:
-        ValueError: an unknown extension, a file that is not UTF-8 or does not parse, a missing
-            column, no rows, or repeated ids; each names the file and what it found.
+        ValueError: an unknown extension, a directory, a file that is not UTF-8 or does not parse
+            (a CSV/TSV row with more or fewer fields than the header: an unquoted comma), a missing
+            column, no rows, a row without an id, repeated ids, a cell that is not text (a list
+            such as token ids, bytes that are not UTF-8; other bytes are decoded); each names the
+            file, and the line (record, row) and column where it applies.
     """
     import pandas as pd
     source = f"dataset {str(items)!r}" if isinstance(items, (str, Path)) else "the dataset"

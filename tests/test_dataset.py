@@ -393,3 +393,15 @@ def test_resume_refuses_other_columns(tmp_path, tokenizer):
         run(answer_column="other")
     with pytest.raises(ValueError, match=r"prompt_column: 'prompt' in the shards, 'other' now"):
         run(prompt_column="other")
+
+
+def test_a_readout_of_another_model_fails_before_the_run(tokenizer):
+    """The model and its readout are checked once, up front: a readout of another model used to turn
+    every item into an error row."""
+    model, other = tiny_model("llama", seed=13, vocab_size=VOCAB), tiny_model("llama", seed=14, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"the readout comes from another model"):
+        igd.attribute_dataset(model, tokenizer, _facts(2).dropna(), layers=[2], steps=2, progress=False,
+                              readout=ig.Readout(other))
+    results, errors = igd.attribute_dataset(model, tokenizer, _facts(2).dropna(), layers=[2], steps=2,
+                                            progress=False, readout=ig.Readout(model))
+    assert errors.empty and len(results)
