@@ -3,6 +3,9 @@
     iglens "What is the capital of Vietnam?" --html vietnam.html
     iglens --dataset facts.csv --out facts.parquet --resume
     python -m iglens_cli --help
+
+Every failure is one line, ``iglens: error: ...``, exit status 2 (1 for an unexpected exception, whose
+traceback ``--debug`` or ``IGLENS_DEBUG=1`` shows; 130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--html", default=None, metavar="OUT.html",
                         help="also write the interactive view (layer and sublayer) to this file; "
                              "with --dataset a folder: one view per item, ID.html")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also: IGLENS_DEBUG=1); without it every "
+                             "error is one line")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.dataset is None):
         parser.error("give exactly one of a prompt or --dataset FILE")
@@ -105,30 +111,65 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("with a prompt, --resolution takes only source, with --html (the source-token panel); "
                      "head and neuron tables: --dataset")
     torch.set_grad_enabled(False)
-    if args.dataset is not None:
-        return _main_dataset(args)
+    return _guarded(lambda: _main_dataset(args) if args.dataset is not None else _main_prompt(args),
+                    debug=args.debug or os.environ.get("IGLENS_DEBUG", "") not in ("", "0"))
+
+
+def _guarded(command, *, debug: bool) -> int:
+    """Run ``command``; every failure is one line on stderr, ``iglens: error: ...``, and exit status 2
+    (a bad value, a file that is missing, a directory or unreadable: ValueError, OSError) or 1 (any
+    other exception: a bug, the traceback shown with ``--debug`` or ``IGLENS_DEBUG=1``). Ctrl-C goes
+    on up to :func:`command`."""
     try:
-        html_path = check_html_path(args.html) if args.html else None  # a bad path fails before the work
-        model, tokenizer = load_model(args.model)
-        input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
-                                       chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
-        trace = collect(model, input_ids, prompt_len, sublayer=html_path is not None)
-        attribution = ig_lens(model, trace, layers=args.layers, baseline=args.baseline,
-                              steps=args.steps, estimator=args.estimator, quantity=args.quantity)
-        sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
-                            estimator=args.estimator, resolution="sublayer", quantity=args.quantity)
-                    if html_path is not None else None)
-        sources = None
-        if args.resolution == "source":
-            if args.baseline != "embedding":
-                raise ValueError(f"--resolution source splits the path from the embedding output h_0, "
-                                 f"so it needs --baseline embedding, got {args.baseline!r}")
-            sources = components(model, collect_components(model, input_ids, prompt_len, sources=True),
-                                 resolution="source", steps=args.steps, estimator=args.estimator,
-                                 quantity=args.quantity)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        return command()
+    except (ValueError, OSError) as err:  # OSError: FileNotFoundError, IsADirectoryError, PermissionError
+        if debug:
+            raise
+        print(f"iglens: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - one line unless --debug
+        if debug:
+            raise
+        print(f"iglens: error: unexpected {type(err).__name__}: {_one_line(err)} (a bug: "
+              "run again with --debug or IGLENS_DEBUG=1 for the traceback, and report it)", file=sys.stderr)
+        return 1
+
+
+def command(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``iglens`` executable: :func:`main`, and Ctrl-C one line and exit status 130 (:func:`main`
+    itself lets KeyboardInterrupt go on up to its caller)."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("iglens: interrupted (with --dataset, the shards written so far stay: --resume goes on "
+              "from them)", file=sys.stderr)
+        return 130
+
+
+def _one_line(err: BaseException) -> str:
+    return str(err).replace("\r\n", " ").replace("\n", " ")
+
+
+def _main_prompt(args) -> int:
+    """One prompt: the table, and with ``--html`` the interactive view."""
+    html_path = check_html_path(args.html) if args.html else None  # a bad path fails before the work
+    model, tokenizer = load_model(args.model)
+    input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model,
+                                   chat=not args.no_chat, max_new_tokens=args.max_new_tokens)
+    trace = collect(model, input_ids, prompt_len, sublayer=html_path is not None)
+    attribution = ig_lens(model, trace, layers=args.layers, baseline=args.baseline,
+                          steps=args.steps, estimator=args.estimator, quantity=args.quantity)
+    sublayer = (ig_lens(model, trace, baseline=args.baseline, steps=args.steps,
+                        estimator=args.estimator, resolution="sublayer", quantity=args.quantity)
+                if html_path is not None else None)
+    sources = None
+    if args.resolution == "source":
+        if args.baseline != "embedding":
+            raise ValueError(f"--resolution source splits the path from the embedding output h_0, "
+                             f"so it needs --baseline embedding, got {args.baseline!r}")
+        sources = components(model, collect_components(model, input_ids, prompt_len, sources=True),
+                             resolution="source", steps=args.steps, estimator=args.estimator,
+                             quantity=args.quantity)
     tokens = trace.tokens(tokenizer)
     print(f"model: {args.model}   answer: {tokenizer.decode(trace.targets)!r}")
     print(format_table(attribution, tokens))
@@ -143,22 +184,18 @@ def _main_dataset(args) -> int:
     device = None
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # one GPU per process
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    try:
-        if args.html and not Path(args.html).is_dir():
-            raise ValueError(f"with --dataset, --html names an existing folder, got {args.html!r}")
-        model, tokenizer = load_model(args.model, device=device)
-        tables = attribute_dataset(
-            model, tokenizer, args.dataset, layers=args.layers, steps=args.steps,
-            estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
-            batch_size=args.batch_size, out=args.out, resume=args.resume,
-            max_new_tokens=args.max_new_tokens, prompt_column=args.prompt_column,
-            answer_column=args.answer_column, id_column=args.id_column, quantity=args.quantity,
-            foil_column=args.foil_column, resolution=args.resolution,
-            top_k=args.top_k if args.top_k is not None else 20)
-        results, errors = tables[:2]
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.html and not Path(args.html).is_dir():
+        raise ValueError(f"with --dataset, --html names an existing folder, got {args.html!r}")
+    model, tokenizer = load_model(args.model, device=device)
+    tables = attribute_dataset(
+        model, tokenizer, args.dataset, layers=args.layers, steps=args.steps,
+        estimator=args.estimator, baseline=args.baseline, chat=not args.no_chat,
+        batch_size=args.batch_size, out=args.out, resume=args.resume,
+        max_new_tokens=args.max_new_tokens, prompt_column=args.prompt_column,
+        answer_column=args.answer_column, id_column=args.id_column, quantity=args.quantity,
+        foil_column=args.foil_column, resolution=args.resolution,
+        top_k=args.top_k if args.top_k is not None else 20)
+    results, errors = tables[:2]
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -199,4 +236,4 @@ def _dataset_views(results, args, parts=None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

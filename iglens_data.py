@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from iglens_core import (ESTIMATORS, Attribution, Components, Readout, Trace, check_foil, check_layers,
-                         check_quantity, check_sequence, check_steps, collect_components, components,
+                         check_quantity, check_same_model, check_sequence, check_steps, collect_components, components,
                          context_length, get_adapter, ig_lens, logits_at_end, model_fingerprint, precision,
                          resolve_baseline, stream_hooks, tie_tolerance)
 import iglens_tables as igt
@@ -148,7 +148,8 @@ def token_span(tokenizer, ids: Sequence[int], text: str, *, ignore_case: bool = 
 
 @torch.no_grad()
 def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch_size: int = 8,
-                  sublayer: bool = False, pad_token_id: int = 0) -> list[Trace]:
+                  sublayer: bool = False, pad_token_id: int = 0,
+                  fingerprint: Optional[torch.Tensor] = None) -> list[Trace]:
     """:func:`collect` for many sequences, ``batch_size`` at a time; the same traces.
 
     Sequences of similar length are batched together (order restored on return), LEFT-padded
@@ -162,6 +163,8 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
         batch_size: sequences per forward pass (>= 1).
         sublayer: also record the residual between attention and MLP of each block.
         pad_token_id: id placed on the padding (any valid id: it is masked out).
+        fingerprint: ``model_fingerprint(model)`` when the caller has taken it already
+            (:func:`attribute_dataset` takes it once per run); None: taken here.
 
     Returns:
         One :class:`Trace` per sequence, in input order, equal to ``collect(model, *sequence)``
@@ -174,7 +177,7 @@ def collect_batch(model, sequences: Sequence[tuple[torch.Tensor, int]], *, batch
     adapter = get_adapter(model)
     n = adapter.n_layers
     device = next(model.parameters()).device
-    fingerprint = model_fingerprint(model)
+    fingerprint = model_fingerprint(model) if fingerprint is None else fingerprint
     order = sorted(range(len(checked)), key=lambda i: checked[i][0].shape[1])
     traces: list[Optional[Trace]] = [None] * len(checked)
     for start in range(0, len(order), batch_size):
@@ -458,11 +461,15 @@ def run_settings(model, *, layers: Sequence[int], **settings) -> dict:
         settings: the rest (``estimator``, ``baseline``, ``steps``, ...); a baseline tensor is
             recorded as the SHA-256 of its float64 bytes.
     """
+    return _settings_record(model, model_fingerprint(model), layers=layers, **settings)
+
+
+def _settings_record(model, fingerprint: Optional[torch.Tensor], *, layers: Sequence[int], **settings) -> dict:
+    """:func:`run_settings` with the model's fingerprint already taken."""
     baseline = settings.get("baseline")
     if baseline is not None and not isinstance(baseline, str):
         digest = hashlib.sha256(torch.as_tensor(baseline).double().cpu().numpy().tobytes()).hexdigest()
         settings["baseline"] = f"tensor sha256:{digest[:16]}"
-    fingerprint = model_fingerprint(model)
     return dict(model=str(getattr(model.config, "_name_or_path", "")), layers=[int(x) for x in layers],
                 **settings, fingerprint=None if fingerprint is None else fingerprint.tolist())
 
@@ -536,8 +543,9 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         out: the final results file (must end in ``.parquet``), or None to write nothing.
         resume: skip the ids already in ``OUT.parts/``. The settings that decide the numbers
             (:func:`run_settings`: model name and fingerprint, layers, estimator, baseline,
-            steps, chat, max_new_tokens, quantity, resolution, top_k) are kept in ``OUT.parts/settings.json``; resuming with
-            other ones raises ValueError listing what differs, and so do shards without it.
+            steps, chat, max_new_tokens, quantity, resolution, top_k) and the columns read (prompt,
+            answer, id and foil, as resolved) are kept in ``OUT.parts/settings.json``; resuming
+            with other ones raises ValueError listing what differs, and so do shards without it.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
         readout: a :class:`Readout` to reuse.
@@ -587,19 +595,57 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         ``foil``; not-applicable entries are null.
     """
     import time
-    import pandas as pd
-    from tqdm.auto import tqdm
+    _check_run_arguments(batch_size, resume, out)
+    table = igt.read_items(items, prompt_column=prompt_column, answer_column=answer_column,
+                           id_column=id_column, foil_column=foil_column)
+    run = _checked_run(model, readout, layers=layers, steps=steps, estimator=estimator, baseline=baseline,
+                       quantity=quantity, resolution=resolution, top_k=top_k)
+    rank, world = distributed_rank()
+    parts = _prepare_shards(run, out, resume, rank, world, chat=bool(chat), max_new_tokens=max_new_tokens,
+                            **table.attrs.get("columns", {}))
+    mine, done = _pending_items(table, parts, resume, rank, world)
+    started = time.perf_counter()
+    sink = _Sink(parts, rank)
+    bar = _progress_bar(len(mine), progress)
+    sequences, foil_ids = _tokenize(run, tokenizer, mine, chat, sink, bar)
+    for rows in _length_batches(sequences, batch_size):
+        _run_batch(run, tokenizer, table, rows, sequences, foil_ids, sink, batch_size=batch_size,
+                   max_new_tokens=max_new_tokens)
+        bar.update(len(rows))
+    bar.close()
+    results, errors, pieces, items_run = _final_tables(sink, table, mine, done, out, world,
+                                                       split=resolution is not None)
+    seconds = time.perf_counter() - started
+    results.attrs.update(items_run=items_run, seconds=seconds,
+                         items_per_s=items_run / seconds if seconds > 0 else float("nan"))
+    return (results, errors) if resolution is None else (results, errors, pieces)
+
+
+# The steps of attribute_dataset, in the order it takes them.
+
+def _check_run_arguments(batch_size, resume: bool, out) -> None:
+    """The arguments that need neither the items nor the model, checked first."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if resume and out is None:
         raise ValueError("resume=True needs out= (the shards to resume from)")
     if out is not None and Path(out).suffix != ".parquet":
         raise ValueError(f"out must be a .parquet file (the results are written as parquet), got {str(out)!r}")
-    table = igt.read_items(items, prompt_column=prompt_column, answer_column=answer_column,
-                       id_column=id_column, foil_column=foil_column)
+
+
+def _checked_run(model, readout: Optional[Readout], *, layers, steps, estimator, baseline, quantity,
+                 resolution, top_k) -> SimpleNamespace:
+    """The model and the settings, checked once before any item runs: the run's readout (built here,
+    or the one given, which must come from ``model``), the model's fingerprint (taken once, for the
+    traces and the settings record), the resolved layers, and what :func:`ig_lens` takes."""
     check_quantity(quantity)
-    readout = readout or Readout(model)
-    layers = check_layers(layers, readout.adapter.n_layers)  # fail before any item runs
+    if readout is None:
+        readout = Readout(model)
+        fingerprint = readout.model_fingerprint  # model_fingerprint(model), taken by the readout
+    else:
+        check_same_model(model, readout=readout)
+        fingerprint = model_fingerprint(model)
+    layers = check_layers(layers, readout.adapter.n_layers)
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if estimator not in ESTIMATORS:
@@ -613,49 +659,88 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
     if resolution is not None and not (isinstance(baseline, str) and baseline == "embedding"):
         raise ValueError(f"resolution={resolution!r} splits the path from the embedding output h_0, "
                          f"so it needs baseline='embedding', got {baseline if isinstance(baseline, str) else 'a tensor'!r}")
-    rank, world = distributed_rank()
-    parts = Path(str(out) + ".parts") if out is not None else None
-    if parts is not None:
-        settings = run_settings(model, layers=layers, estimator=estimator, steps=steps,
-                                baseline=baseline, chat=bool(chat), max_new_tokens=max_new_tokens,
-                                quantity=quantity, resolution=resolution,
-                                top_k=int(top_k) if resolution is not None else None)
-        if resume and parts.is_dir():
-            _check_settings(parts, settings)  # every rank: all of them stop alike
-        if rank == 0:
-            parts.mkdir(parents=True, exist_ok=True)
-            if not resume:
-                for old in parts.glob("*.parquet"):
-                    old.unlink()
-            tmp = parts / f".{SETTINGS_FILE}.tmp"
-            tmp.write_text(json.dumps(settings, indent=1), encoding="utf-8")
-            os.replace(tmp, parts / SETTINGS_FILE)
-        _barrier(world)
+    return SimpleNamespace(model=model, readout=readout, fingerprint=fingerprint, layers=layers,
+                           resolution=resolution, top_k=top_k,
+                           method=dict(steps=steps, estimator=estimator, readout=readout, quantity=quantity),
+                           baseline=baseline)
+
+
+def _prepare_shards(run: SimpleNamespace, out, resume: bool, rank: int, world: int, **recorded) -> Optional[Path]:
+    """``OUT.parts/`` ready for the run (None without ``out``): with ``resume`` the settings are
+    compared with the stored ones (every rank, so all stop alike); rank 0 then deletes old shards
+    (no ``resume``) and writes the settings. ``recorded``: chat, max_new_tokens and the column names."""
+    if out is None:
+        return None
+    parts = Path(str(out) + ".parts")
+    method = run.method
+    settings = _settings_record(run.model, run.fingerprint, layers=run.layers, estimator=method["estimator"],
+                                steps=method["steps"], baseline=run.baseline, chat=recorded.pop("chat"),
+                                max_new_tokens=recorded.pop("max_new_tokens"), quantity=method["quantity"],
+                                resolution=run.resolution,
+                                top_k=int(run.top_k) if run.resolution is not None else None, **recorded)
+    if resume and parts.is_dir():
+        _check_settings(parts, settings)
+    if rank == 0:
+        parts.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for old in parts.glob("*.parquet"):
+                old.unlink()
+        tmp = parts / f".{SETTINGS_FILE}.tmp"
+        tmp.write_text(json.dumps(settings, indent=1), encoding="utf-8")
+        os.replace(tmp, parts / SETTINGS_FILE)
+    _barrier(world)
+    return parts
+
+
+def _pending_items(table, parts: Optional[Path], resume: bool, rank: int, world: int):
+    """This rank's items (``row % world == rank``) not already in a shard, and the ids in the shards."""
     done = set()
     if resume:
         for kind in ("results", "errors"):
             shards = igt.read_shards(parts, kind)
             done |= set(shards["id"]) if shards is not None else set()
-    mine = table[(table["row"] % world == rank) & ~table["id"].isin(done)]
+    return table[(table["row"] % world == rank) & ~table["id"].isin(done)], done
 
-    started = time.perf_counter()
-    kept, failed, split = [], [], []  # this rank's frames when out is None
 
-    def record(results, errors, pieces=None):
-        if parts is None:
-            kept.extend([results] if len(results) else []), failed.extend([errors] if len(errors) else [])
-            split.extend([pieces] if pieces is not None and len(pieces) else [])
+class _Sink:
+    """Where each batch's tables go: a shard in ``OUT.parts/`` per table, written at once, or
+    (no ``out``) kept in memory until the end."""
+
+    def __init__(self, parts: Optional[Path], rank: int):
+        self.parts, self.rank, self.kept = parts, rank, ([], [], [])
+
+    def add(self, results, errors, pieces=None) -> None:
+        if self.parts is None:
+            for kept, frame in zip(self.kept, (results, errors, pieces)):
+                if frame is not None and len(frame):
+                    kept.append(frame)
             return
-        stem = f"rank{rank:04d}-{time.time_ns()}"
+        import time
+        stem = f"rank{self.rank:04d}-{time.time_ns()}"
         if pieces is not None and len(pieces):  # before the results: those mark the items done
-            igt.write_shard(pieces.assign(shard=stem), parts / f"{stem}.components.parquet")
+            igt.write_shard(pieces.assign(shard=stem), self.parts / f"{stem}.components.parquet")
         if len(errors):
-            igt.write_shard(errors.assign(shard=stem), parts / f"{stem}.errors.parquet")
+            igt.write_shard(errors.assign(shard=stem), self.parts / f"{stem}.errors.parquet")
         if len(results):
-            igt.write_shard(results.assign(shard=stem), parts / f"{stem}.results.parquet")
+            igt.write_shard(results.assign(shard=stem), self.parts / f"{stem}.results.parquet")
 
-    # 1. tokenise; rows that cannot run are errors at once
-    sequences, errors, foil_ids = {}, [], {}  # row -> (prompt ids, answer ids or None); row -> foil id
+
+def _progress_bar(total: int, progress: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="IG-Lens dataset", leave=False,
+                **({} if progress else dict(disable=True)))  # TQDM_DISABLE applies otherwise
+
+
+def _error_frame(errors: list):
+    import pandas as pd
+    return pd.DataFrame(errors, columns=["row", "id", "error"])
+
+
+def _tokenize(run: SimpleNamespace, tokenizer, mine, chat: bool, sink: _Sink, bar):
+    """Each item's ``(prompt ids, answer ids or None: greedy)`` and foil id; a row that cannot run
+    (empty prompt, too long, a foil of several tokens, ...) is an error row at once."""
+    import pandas as pd
+    sequences, foil_ids, errors = {}, {}, []
     for item in mine.itertuples():
         try:
             if item.foil is not None:
@@ -667,95 +752,98 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                 raise ValueError(f"prompt must be a non-empty string, got {item.prompt!r}")
             if item.answer is None:
                 prompt = prompt_token_ids(tokenizer, item.prompt, chat)
-                check_sequence(model, torch.tensor(prompt + prompt[-1:]), len(prompt))
+                check_sequence(run.model, torch.tensor(prompt + prompt[-1:]), len(prompt))
                 sequences[item.row] = (prompt, None)
             else:
                 ids, prompt_len = encode(tokenizer, item.prompt, item.answer, chat=chat)
-                check_sequence(model, ids, prompt_len)
+                check_sequence(run.model, ids, prompt_len)
                 sequences[item.row] = (ids[0, :prompt_len].tolist(), ids[0, prompt_len:].tolist())
         except ValueError as err:
             errors.append(dict(row=item.row, id=item.id, error=str(err)))
-    record(pd.DataFrame(columns=igt.RESULT_COLUMNS[:-1]), pd.DataFrame(errors, columns=["row", "id", "error"]))
-    n_failed = len(errors)
+    sink.add(pd.DataFrame(columns=igt.RESULT_COLUMNS[:-1]), _error_frame(errors))
+    bar.update(len(errors))
+    return sequences, foil_ids
 
-    # 2. batches of similar length: greedy answers, one forward pass, one readout pass
-    def attribute(rows, full):  # items with a foil and without go in separate passes; input order
-        traces = dict(zip(rows, collect_batch(model, [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0]))
-                                                      for r in rows], batch_size=batch_size)))
-        done = {}
-        for group in ([r for r in rows if r not in foil_ids], [r for r in rows if r in foil_ids]):
-            done.update(zip(group, ig_lens_batch(
-                model, [traces[r] for r in group], layers=layers, baseline=baseline, steps=steps,
-                estimator=estimator, readout=readout, quantity=quantity,
-                foils=[foil_ids[r] for r in group] if group and group[0] in foil_ids else None)))
-        return [done[r] for r in rows]
 
-    ids_of, foils_of = dict(zip(table["row"], table["id"])), dict(zip(table["row"], table["foil"]))
+def _length_batches(sequences: dict, batch_size: int) -> list[list[int]]:
+    """The rows in batches of ``batch_size``, shortest sequences (prompt and answer) first."""
     order = sorted(sequences, key=lambda r: len(sequences[r][0]) + len(sequences[r][1] or ()))
-    bar = tqdm(total=len(mine), desc="IG-Lens dataset", leave=False,
-               **({} if progress else dict(disable=True)))  # TQDM_DISABLE applies otherwise
-    bar.update(n_failed)
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        greedy = [r for r in rows if sequences[r][1] is None]
-        answers = greedy_answers(model, tokenizer, [sequences[r][0] for r in greedy],
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size)
-        full = {r: sequences[r] for r in rows}
-        full.update({r: (sequences[r][0], answer) for r, answer in zip(greedy, answers)})
-        batch_errors = [dict(row=r, id=ids_of[r], error="the model's greedy answer is empty "
-                             "(it stopped at once)") for r in greedy if not full[r][1]]
-        runnable = [r for r in rows if full[r][1]]
-        try:
-            attributions = attribute(runnable, full)
-        except ValueError:  # e.g. NaN hidden states of one item: isolate it, run the others
-            attributions = []
-            for r in runnable:
-                try:
-                    attributions += attribute([r], full)
-                except ValueError as err:
-                    batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
-            runnable = [r for r in runnable if r not in {e["row"] for e in batch_errors}]
-        pieces = []
-        if resolution is not None:  # one item at a time: its own pass with patterns and values
-            for r in list(runnable):
-                try:
-                    pieces.append(_item_parts(model, tokenizer, full[r], r, ids_of[r], foils_of[r],
-                                              foil_ids.get(r), resolution=resolution, top_k=top_k,
-                                              steps=steps, estimator=estimator, readout=readout,
-                                              quantity=quantity))
-                except ValueError as err:
-                    batch_errors.append(dict(row=r, id=ids_of[r], error=str(err)))
-                    attributions.pop(runnable.index(r))
-                    runnable.remove(r)
-        frames = [_item_frame(a, tokenizer, r, ids_of[r], foils_of[r]) for r, a in zip(runnable, attributions)]
-        record(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=igt.RESULT_COLUMNS[:-1]),
-               pd.DataFrame(batch_errors, columns=["row", "id", "error"]),
-               pd.concat(pieces, ignore_index=True) if pieces else None)
-        n_failed += len(batch_errors)
-        bar.update(len(rows))
-    bar.close()
-    items_run = len(mine)
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
 
-    if parts is not None:
-        _barrier(world)
-        if rank == 0:  # after the barrier: the whole run's items over the whole run's time
-            items_run = int((~table["id"].isin(done)).sum())
-        if rank == 0:
-            results, errors, pieces = igt.merge_shards(parts, Path(out), resolution is not None)
-            missing = set(table["id"]) - set(results["id"]) - set(errors["id"])
-            if missing:  # e.g. another node's shards written to a folder rank 0 cannot see
-                raise FileNotFoundError(
-                    f"{len(missing)} items have no shard in {parts} after every rank finished "
-                    f"(e.g. {sorted(missing)[:3]}): with several nodes, out= must lie on a file "
-                    "system that every node shares")
-        else:  # this rank's own shards
-            results, errors, pieces = igt.result_tables(*(igt.read_shards(parts, kind, f"rank{rank:04d}-")
-                                                for kind in ("results", "errors", "components")))
-    else:
-        results, errors, pieces = igt.result_tables(pd.concat(kept, ignore_index=True) if kept else None,
-                                          pd.concat(failed, ignore_index=True) if failed else None,
-                                          pd.concat(split, ignore_index=True) if split else None)
-    seconds = time.perf_counter() - started
-    results.attrs.update(items_run=items_run, seconds=seconds,
-                         items_per_s=items_run / seconds if seconds > 0 else float("nan"))
-    return (results, errors) if resolution is None else (results, errors, pieces)
+
+def _run_batch(run: SimpleNamespace, tokenizer, table, rows: list, sequences: dict, foil_ids: dict,
+               sink: _Sink, *, batch_size: int, max_new_tokens: int) -> None:
+    """One batch: the greedy answers it needs, one forward pass and one readout pass (an item that
+    raises is run alone and, failing again, becomes an error row), the parts of each item
+    (``resolution``), and its tables to the sink."""
+    import pandas as pd
+    ids_of, foils_of = dict(zip(table["row"], table["id"])), dict(zip(table["row"], table["foil"]))
+    greedy = [r for r in rows if sequences[r][1] is None]
+    answers = greedy_answers(run.model, tokenizer, [sequences[r][0] for r in greedy],
+                             max_new_tokens=max_new_tokens, batch_size=batch_size)
+    full = {r: sequences[r] for r in rows}
+    full.update({r: (sequences[r][0], answer) for r, answer in zip(greedy, answers)})
+    errors = [dict(row=r, id=ids_of[r], error="the model's greedy answer is empty (it stopped at once)")
+              for r in greedy if not full[r][1]]
+    runnable = [r for r in rows if full[r][1]]
+    try:
+        attributions = dict(zip(runnable, _attribute(run, runnable, full, foil_ids, batch_size)))
+    except ValueError:  # e.g. NaN hidden states of one item: isolate it, run the others
+        attributions = {}
+        for r in runnable:
+            try:
+                attributions[r] = _attribute(run, [r], full, foil_ids, batch_size)[0]
+            except ValueError as err:
+                errors.append(dict(row=r, id=ids_of[r], error=str(err)))
+    pieces = []
+    if run.resolution is not None:  # one item at a time: its own pass with patterns and values
+        for r in list(attributions):
+            try:
+                pieces.append(_item_parts(run.model, tokenizer, full[r], r, ids_of[r], foils_of[r],
+                                          foil_ids.get(r), resolution=run.resolution, top_k=run.top_k,
+                                          **run.method))
+            except ValueError as err:
+                errors.append(dict(row=r, id=ids_of[r], error=str(err)))
+                del attributions[r]
+    frames = [_item_frame(a, tokenizer, r, ids_of[r], foils_of[r]) for r, a in attributions.items()]
+    sink.add(pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=igt.RESULT_COLUMNS[:-1]),
+             _error_frame(errors), pd.concat(pieces, ignore_index=True) if pieces else None)
+
+
+def _attribute(run: SimpleNamespace, rows: list, full: dict, foil_ids: dict, batch_size: int) -> list[Attribution]:
+    """The attributions of ``rows`` (input order): one :func:`collect_batch`, then one
+    :func:`ig_lens_batch` for the items without a foil and one for those with one."""
+    sequences = [(torch.tensor(full[r][0] + full[r][1]), len(full[r][0])) for r in rows]
+    traces = dict(zip(rows, collect_batch(run.model, sequences, batch_size=batch_size,
+                                          fingerprint=run.fingerprint)))
+    done = {}
+    for group in ([r for r in rows if r not in foil_ids], [r for r in rows if r in foil_ids]):
+        done.update(zip(group, ig_lens_batch(
+            run.model, [traces[r] for r in group], layers=run.layers, baseline=run.baseline,
+            foils=[foil_ids[r] for r in group] if group and group[0] in foil_ids else None, **run.method)))
+    return [done[r] for r in rows]
+
+
+def _final_tables(sink: _Sink, table, mine, done: set, out, world: int, *, split: bool):
+    """``(results, errors, parts, items_run)``: with ``out``, rank 0 merges every rank's shards
+    (after a barrier) and checks that every item has one; another rank reads its own shards;
+    without ``out``, the tables kept in memory."""
+    import pandas as pd
+    parts, rank = sink.parts, sink.rank
+    if parts is None:
+        return (*igt.result_tables(*(pd.concat(kept, ignore_index=True) if kept else None
+                                     for kept in sink.kept)), len(mine))
+    _barrier(world)
+    if rank != 0:  # this rank's own shards
+        return (*igt.result_tables(*(igt.read_shards(parts, kind, f"rank{rank:04d}-")
+                                     for kind in ("results", "errors", "components"))), len(mine))
+    # after the barrier: the whole run's items over the whole run's time
+    items_run = int((~table["id"].isin(done)).sum())
+    results, errors, pieces = igt.merge_shards(parts, Path(out), split)
+    missing = set(table["id"]) - set(results["id"]) - set(errors["id"])
+    if missing:  # e.g. another node's shards written to a folder rank 0 cannot see
+        raise FileNotFoundError(
+            f"{len(missing)} items have no shard in {parts} after every rank finished "
+            f"(e.g. {sorted(missing)[:3]}): with several nodes, out= must lie on a file "
+            "system that every node shares")
+    return results, errors, pieces, items_run

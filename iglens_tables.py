@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Optional, Union
 
@@ -24,21 +25,27 @@ DATASET_FORMATS = (".csv", ".tsv", ".json", ".jsonl", ".parquet")
 
 
 def _read_table(path: Path):
-    """The file at ``path`` as a DataFrame of its columns, read by its extension (see
-    :data:`DATASET_FORMATS`); text formats must be UTF-8. Every failure is a ValueError naming
-    the file."""
-    import io
+    """The file at ``path`` as a DataFrame of its cells as written (object columns: text, ints,
+    floats, bytes, None), read by its extension (see :data:`DATASET_FORMATS`); text formats must
+    be UTF-8. ``attrs["where"]`` names each row's place in the file (``line 3``; ``record 2`` of a
+    JSON list; ``row 2`` of a Parquet table). Every failure is a ValueError naming the file."""
     import json
     import pandas as pd
     suffix = path.suffix.lower()
     if suffix not in DATASET_FORMATS:
         raise ValueError(f"dataset {str(path)!r}: unknown extension {path.suffix!r}, expected one of "
                          f"{', '.join(DATASET_FORMATS)}")
+    if path.is_dir():
+        raise ValueError(f"dataset {str(path)!r} is a directory; give one {suffix} file")
     if suffix == ".parquet":
+        import pyarrow.parquet as pq
         try:
-            return pd.read_parquet(path)
+            columns = pq.read_table(path).to_pydict()
         except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
             raise ValueError(f"dataset {str(path)!r} is not a readable parquet file: {err}") from None
+        frame = pd.DataFrame(columns, dtype=object)
+        frame.attrs["where"] = [f"row {i}" for i in range(len(frame))]
+        return frame
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")  # a byte-order mark is allowed
@@ -48,22 +55,96 @@ def _read_table(path: Path):
     if not text.strip():
         raise ValueError(f"dataset {str(path)!r} is empty")
     if suffix in (".csv", ".tsv"):
+        return _read_delimited(path, text, "," if suffix == ".csv" else "\t")
+    if suffix == ".json":
         try:
-            return pd.read_csv(io.StringIO(text), sep="," if suffix == ".csv" else "\t", dtype=str,
-                               keep_default_na=False)
-        except (pd.errors.ParserError, pd.errors.EmptyDataError) as err:
-            raise ValueError(f"dataset {str(path)!r} is not valid {suffix[1:].upper()}: {err}") from None
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"dataset {str(path)!r} is not valid JSON: {err}") from None
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            found = type(records).__name__ if not isinstance(records, list) else "a list holding non-objects"
+            raise ValueError(f"dataset {str(path)!r} must hold a list of records (JSON objects, one per "
+                             f"item), found {found}")
+        where = [f"record {i + 1}" for i in range(len(records))]
+    else:
+        records, where = [], []
+        for number, line in enumerate(text.split("\n"), 1):  # JSON strings may hold U+2028: no splitlines
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"dataset {str(path)!r} is not valid JSON Lines: line {number}, column "
+                                 f"{err.colno}: {err.msg}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"dataset {str(path)!r} must hold a list of records (JSON objects, one per "
+                                 f"item, one per line), found {type(record).__name__} at line {number}")
+            records.append(record)
+            where.append(f"line {number}")
+    frame = pd.DataFrame(records, dtype=object)  # ints stay ints where a row lacks a key
+    frame.attrs["where"] = where
+    return frame
+
+
+def _read_delimited(path: Path, text: str, sep: str):
+    """A CSV or TSV file, every cell text as written: each row must have the header's number of fields
+    (an unquoted comma in a prompt would shift the columns); blank lines are skipped."""
+    import csv
+    import io
+    import pandas as pd
+    name = "CSV" if sep == "," else "TSV"
+    quoting = (f"a field holding {'a comma' if sep == ',' else 'a tab'}, a double quote or a line break "
+               'must be in double quotes, its own quotes doubled: "Paris, ""the capital"""')
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=sep, strict=True)
+    header, rows, where, start = None, [], [], 1
     try:
-        records = (json.loads(text) if suffix == ".json"
-                   else [json.loads(line) for line in text.splitlines() if line.strip()])
-    except json.JSONDecodeError as err:
-        raise ValueError(f"dataset {str(path)!r} is not valid {'JSON' if suffix == '.json' else 'JSON Lines'}: "
-                         f"{err}") from None
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        found = type(records).__name__ if not isinstance(records, list) else "a list holding non-objects"
-        raise ValueError(f"dataset {str(path)!r} must hold a list of records (JSON objects, one per "
-                         f"item{'' if suffix == '.json' else ', one per line'}), found {found}")
-    return pd.DataFrame.from_records(records)
+        for record in reader:
+            if record and not (len(record) == 1 and not record[0].strip()):
+                if header is None:
+                    header = record
+                    repeated = sorted({c for c in header if header.count(c) > 1})
+                    if repeated:
+                        raise ValueError(f"dataset {str(path)!r}: the header (line {start}) repeats the "
+                                         f"column names {repeated}")
+                elif len(record) != len(header):
+                    raise ValueError(
+                        f"dataset {str(path)!r} is not valid {name}: line {start} has {len(record)} fields, "
+                        f"the header has {len(header)} ({header}); {quoting}")
+                else:
+                    rows.append(record)
+                    where.append(f"line {start}")
+            start = reader.line_num + 1
+    except csv.Error as err:
+        raise ValueError(f"dataset {str(path)!r} is not valid {name}: line {reader.line_num}: {err}; "
+                         f"{quoting}") from None
+    frame = pd.DataFrame(rows, columns=header, dtype=object)
+    frame.attrs["where"] = where
+    return frame
+
+
+def _cell(value, column: str, source: str, where: str, what: str = "text"):
+    """One cell as text, or None where it is empty (None, NaN, NA); bytes are decoded as UTF-8.
+
+    Raises:
+        ValueError: a list or array (e.g. token ids), a mapping, or bytes that are not UTF-8, naming
+            the file, the row's place and the column.
+    """
+    import numpy as np
+    import pandas as pd
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{source}, {where}, column {column!r}: bytes that are not UTF-8 text (byte "
+                             f"{bytes(value)[err.start]:#04x} at offset {err.start})") from None
+    if isinstance(value, (list, tuple, dict, set, np.ndarray)) or np.ndim(value) != 0:
+        shown = repr(value.tolist() if isinstance(value, np.ndarray) else value)
+        raise ValueError(f"{source}, {where}, column {column!r}: {what} expected, got a "
+                         f"{type(value).__name__} ({shown[:60]}); token ids are not read: store the text")
+    if value is None or value is pd.NA or value is pd.NaT or (
+            isinstance(value, (float, np.floating)) and math.isnan(value)):
+        return None
+    return value if isinstance(value, str) else str(value)
 
 
 def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[str] = None,
@@ -95,14 +176,18 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
         ``answer`` (str, or None for greedy), ``foil`` (str, or None).
 
     Raises:
-        ValueError: an unknown extension, a file that is not UTF-8 or does not parse, a missing
-            column, no rows, or repeated ids; each names the file and what it found.
+        ValueError: an unknown extension, a directory, a file that is not UTF-8 or does not parse
+            (a CSV/TSV row with more or fewer fields than the header: an unquoted comma), a missing
+            column, no rows, a row without an id, repeated ids, a cell that is not text (a list
+            such as token ids, bytes that are not UTF-8; other bytes are decoded); each names the
+            file, and the line (record, row) and column where it applies.
     """
     import pandas as pd
     source = f"dataset {str(items)!r}" if isinstance(items, (str, Path)) else "the dataset"
     frame = _read_table(Path(items)) if isinstance(items, (str, Path)) else pd.DataFrame(items)
     if len(frame) == 0:
         raise ValueError(f"{source} has no rows (columns {list(frame.columns)})")
+    where = frame.attrs.get("where") or [f"row {i}" for i in range(len(frame))]
     named = {"prompt": prompt_column, "answer": answer_column, "id": id_column, "foil": foil_column}
     for role, column in named.items():
         if column is not None and column not in frame.columns:
@@ -111,18 +196,34 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
                              f"got columns {list(frame.columns)}")
     answer_column = answer_column or ("answer" if "answer" in frame.columns else None)
     id_column = id_column or ("id" if "id" in frame.columns else None)
-    ids = [str(i) for i in (frame[id_column] if id_column else range(len(frame)))]
-    repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
-    if repeated:
-        raise ValueError(f"dataset ids must be unique, these repeat: {repeated[:5]}")
     foil_column = foil_column or ("foil" if "foil" in frame.columns else None)
-    answers = frame[answer_column] if answer_column else [None] * len(frame)
-    foils = frame[foil_column] if foil_column else [None] * len(frame)
-    blank = lambda a: a is None or (isinstance(a, float) and math.isnan(a)) or a == ""
-    return pd.DataFrame(dict(row=range(len(frame)), id=ids,
-                             prompt=["" if blank(p) else str(p) for p in frame[prompt_column]],
-                             answer=[None if blank(a) else str(a) for a in answers],
-                             foil=[None if blank(f) else str(f) for f in foils]))
+
+    def cells(column, what="text"):
+        if column is None:
+            return [None] * len(frame)
+        return [_cell(value, column, source, at, what) for value, at in zip(frame[column].tolist(), where)]
+
+    if id_column:
+        ids = cells(id_column, "an id (text or an integer)")
+        missing = [at for i, at in zip(ids, where) if i is None or not i.strip()]
+        if missing:
+            raise ValueError(f"{source}: {len(missing)} rows have no id in column {id_column!r} (the first "
+                             f"at {missing[0]}); give every row an id, or none (ids: the row numbers)")
+    else:
+        ids = [str(i) for i in range(len(frame))]
+    repeated = sorted(i for i, n in Counter(ids).items() if n > 1)
+    if repeated:
+        first = [at for i, at in zip(ids, where) if i == repeated[0]]
+        raise ValueError(f"{source}: dataset ids must be unique, these repeat: {repeated[:5]} "
+                         f"({repeated[0]!r} at {' and '.join(first[:2])})")
+    prompts, answers, foils = cells(prompt_column), cells(answer_column), cells(foil_column)
+    table = pd.DataFrame(dict(row=range(len(frame)), id=ids,
+                              prompt=[p or "" for p in prompts], answer=[a or None for a in answers],
+                              foil=[f or None for f in foils]))
+    # the columns read, as resolved (a resumed run must read the same ones)
+    table.attrs["columns"] = dict(prompt_column=prompt_column, answer_column=answer_column,
+                                  id_column=id_column, foil_column=foil_column)
+    return table
 
 
 def write_shard(frame, path: Path) -> None:
@@ -191,6 +292,10 @@ RESULT_COLUMNS = ["row", "id", "token_index", "position", "token", "segment", "l
                    "residual", "quantity", "foil", "shard"]
 
 
+FRAME_COLUMNS = ("token_index", "position", "segment", "layer", "label", "value", "lens_start", "lens_end",
+                 "p_base", "p_final")  # what attribution_from_frame reads
+
+
 def attribution_from_frame(frame, *, estimator: str = "prediction_aware", steps: int = 16,
                            baseline: str = "embedding") -> Attribution:
     """One item's attribution rebuilt from its rows of a tidy table (``Attribution.to_frame``, or
@@ -200,8 +305,13 @@ def attribution_from_frame(frame, *, estimator: str = "prediction_aware", steps:
     foil) are all -1; ``quantity`` comes from the table's column (``"prob"`` without one).
 
     Raises:
-        ValueError: rows that do not form a full (token, segment) grid of one item.
+        ValueError: a column missing (each one named), or rows that do not form a full (token,
+            segment) grid of one item.
     """
+    missing = [name for name in FRAME_COLUMNS if name not in frame.columns]
+    if missing:
+        raise ValueError(f"frame lacks the columns {missing} (an attribution's table, Attribution.to_frame "
+                         f"or the dataset's results, has {list(FRAME_COLUMNS)}), got columns {list(frame.columns)}")
     if "id" in frame.columns and frame["id"].nunique() > 1:
         raise ValueError(f"frame holds {frame['id'].nunique()} items; pass the rows of one id")
     frame = frame.sort_values(["token_index", "segment"])

@@ -448,3 +448,132 @@ def test_more_dpa_and_tracing_values():
     kwargs = dict(subject=(1, 3), noise=0.5, seeds=[1], min_gap=0.0)
     torch.testing.assert_close(igc.causal_trace(model, ids, None, target, batch_size=torch.tensor(3), **kwargs).probs,
                                igc.causal_trace(model, ids, None, target, batch_size=3, **kwargs).probs)
+
+
+# --- issue 30: input files and the command line, nothing silently wrong
+
+def _items(path, **names):
+    import iglens_tables as igt
+    return igt.read_items(path, **names)
+
+
+def test_csv_row_with_an_unquoted_comma(tmp_path):
+    """A row with more fields than the header used to shift the columns (pandas made the first field
+    the index); fewer fields used to become a silent greedy answer."""
+    import re
+    path = tmp_path / "facts.csv"
+    path.write_text("id,prompt,answer\na,Capital of France?,Paris\n\nb,Capital of Italy, the country?,Rome\n")
+    with pytest.raises(ValueError, match=re.escape(repr(str(path))) + r" is not valid CSV: line 4 has 4 fields, "
+                       r"the header has 3 .*must be in double quotes"):
+        _items(path)
+    path.write_text('id,prompt,answer\nb,"Capital of Italy, the country?",Rome\n')
+    assert _items(path)[["id", "prompt", "answer"]].values.tolist() == [["b", "Capital of Italy, the country?", "Rome"]]
+    path.write_text("id,prompt,answer\na,Capital of France?\n")
+    with pytest.raises(ValueError, match=r"line 2 has 2 fields, the header has 3"):
+        _items(path)
+    path.write_text('id,prompt\na,"unclosed\n')  # the quote runs to the end of the file
+    with pytest.raises(ValueError, match=r"is not valid CSV: line 2: .*double quotes"):
+        _items(path)
+
+
+def test_parquet_bytes_and_token_ids(tmp_path):
+    import pandas as pd
+    path = tmp_path / "facts.parquet"
+    pd.DataFrame({"prompt": ["The capital of France is".encode(), "Où?".encode()],
+                  "answer": [b" Paris", None]}).to_parquet(path)
+    table = _items(path)
+    assert table["prompt"].tolist() == ["The capital of France is", "Où?"] and table["answer"].tolist() == [" Paris", None]
+    pd.DataFrame({"prompt": [b"ok", b"\xff\xfe"]}).to_parquet(path)
+    with pytest.raises(ValueError, match=r"facts\.parquet', row 1, column 'prompt': bytes that are not UTF-8"):
+        _items(path)
+    pd.DataFrame({"prompt": [[1, 2, 3], [4, 5]]}).to_parquet(path)  # token ids, not text
+    with pytest.raises(ValueError, match=r"facts\.parquet', row 0, column 'prompt': text expected, got a list "
+                       r"\(\[1, 2, 3\]\); token ids are not read"):
+        _items(path)
+
+
+def test_jsonl_ids_as_written_and_missing_ids(tmp_path):
+    path = tmp_path / "facts.jsonl"
+    path.write_text('{"id": 1, "prompt": "x", "answer": "y"}\n{"id": 20, "prompt": "z"}\n'
+                    '{"id": "c-3", "prompt": "w", "answer": "v"}\n')
+    table = _items(path)
+    assert table["id"].tolist() == ["1", "20", "c-3"] and table["answer"].tolist() == ["y", None, "v"]
+    path.write_text('{"id": 1, "prompt": "x"}\n\n{"prompt": "z"}\n')
+    with pytest.raises(ValueError, match=r"facts\.jsonl': 1 rows have no id in column 'id' \(the first at line 3\)"):
+        _items(path)
+
+
+def test_jsonl_broken_line_number(tmp_path):
+    """The line of the file (1-based, blank lines counted), not 1 or the count of records."""
+    path = tmp_path / "facts.jsonl"
+    path.write_text('{"prompt": "a\u2028b"}\n\n{"prompt": "x"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"not valid JSON Lines: line 4, column 12: Expecting value"):
+        _items(path)
+    path.write_text('{"prompt": "a\u2028b"}\n\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"found list at line 3"):
+        _items(path)
+
+
+def test_directory_as_dataset(tmp_path):
+    (tmp_path / "facts.csv").mkdir()
+    with pytest.raises(ValueError, match=r"facts\.csv' is a directory"):
+        _items(tmp_path / "facts.csv")
+
+
+def test_duplicate_ids_name_their_lines(tmp_path):
+    path = tmp_path / "facts.tsv"
+    path.write_text("id\tprompt\na\tx\nb\ty\na\tz\n")
+    with pytest.raises(ValueError, match=r"facts\.tsv': dataset ids must be unique, these repeat: \['a'\] "
+                       r"\('a' at line 2 and line 4\)"):
+        _items(path)
+
+
+def test_from_frame_names_missing_columns():
+    import iglens_tables as igt
+    model = tiny_model("gpt2", seed=6)
+    frame = ig.ig_lens(model, random_trace(model, seed=7), layers=[1, 2]).to_frame()
+    with pytest.raises(ValueError, match=r"frame lacks the columns \['lens_start', 'p_base'\]"):
+        igt.attribution_from_frame(frame.drop(columns=["p_base", "lens_start"]))
+
+
+@pytest.mark.parametrize("make,code,match", [
+    (lambda tmp: tmp / "nowhere.csv", 2, r"No such file or directory"),
+    (lambda tmp: (tmp / "dir.csv").mkdir() or tmp / "dir.csv", 2, r"is a directory"),
+    (lambda tmp: (tmp / "locked.csv").write_text("prompt\nx\n") and (tmp / "locked.csv").chmod(0) or tmp / "locked.csv",
+     2, r"Permission denied|prompt"),  # root reads it anyway: then the run goes on to the model
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, make, code, match):
+    """Every expected failure: one line, ``iglens: error: ...``, exit status 2; no traceback."""
+    import re
+    import iglens_cli as igcli
+    monkeypatch.setattr(igcli, "load_model", lambda *a, **k: (_ for _ in ()).throw(ValueError("no model here")))
+    got = igcli.main(["--dataset", str(make(tmp_path)), "--out", str(tmp_path / "r.parquet")])
+    err = capsys.readouterr().err
+    assert got == code and err.startswith("iglens: error: ") and err.count("\n") == 1, err
+    assert re.search(match, err) or "no model here" in err, err
+
+
+def test_cli_unexpected_errors_and_interrupts(tmp_path, capsys, monkeypatch):
+    import iglens_cli as igcli
+    argv = ["--dataset", str(tmp_path / "x.csv"), "--out", str(tmp_path / "r.parquet")]
+    monkeypatch.setattr(igcli, "load_model", lambda *a, **k: {}["missing"])  # a bug: KeyError
+    assert igcli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("iglens: error: unexpected KeyError: 'missing'") and err.count("\n") == 1
+    with pytest.raises(KeyError):
+        igcli.main(argv + ["--debug"])
+    monkeypatch.setenv("IGLENS_DEBUG", "1")
+    with pytest.raises(KeyError):
+        igcli.main(argv)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(igcli, "load_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # main() leaves Ctrl-C to its caller
+        igcli.main(argv)
+    assert igcli.command(argv) == 130  # the iglens executable: one line
+    assert capsys.readouterr().err.startswith("iglens: interrupted")
+    monkeypatch.setattr(igcli, "load_model", lambda *a, **k: open(tmp_path / "gone" / "weights"))  # OSError
+    monkeypatch.delenv("IGLENS_DEBUG")
+    assert igcli.main(["Hi?"]) == 2
+    assert capsys.readouterr().err.startswith("iglens: error: [Errno 2] No such file")

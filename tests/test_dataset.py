@@ -375,3 +375,33 @@ def test_quantity_and_foils_equal_per_item(tokenizer, quantity):
         f = logp if quantity == "logprob" else logp.exp()
         own = f.gather(-1, ids[0, prompt_len:, None])[:, 0] - (f[:, foil] if foil is not None else 0)
         torch.testing.assert_close(torch.tensor(got["p_final"].to_numpy()[::2]), own, atol=2e-6, rtol=1e-5)
+
+
+def test_resume_refuses_other_columns(tmp_path, tokenizer):
+    """The column names are part of the run's settings: resuming with another answer column used to
+    merge the answers of two columns into one table."""
+    model = tiny_model("llama", seed=10, vocab_size=VOCAB)
+    facts = _facts(3).dropna()
+    facts["other"] = [" Lyon", " Rome", " Oslo"][:len(facts)]
+    out = tmp_path / "r.parquet"
+    run = lambda **names: igd.attribute_dataset(model, tokenizer, facts, out=out, resume=True, layers=[2],
+                                                steps=2, progress=False, **names)
+    run()
+    again, _ = run(answer_column="answer")  # the column the first run read by default: the same run
+    assert again["id"].nunique() == len(facts)
+    with pytest.raises(ValueError, match=r"answer_column: 'answer' in the shards, 'other' now"):
+        run(answer_column="other")
+    with pytest.raises(ValueError, match=r"prompt_column: 'prompt' in the shards, 'other' now"):
+        run(prompt_column="other")
+
+
+def test_a_readout_of_another_model_fails_before_the_run(tokenizer):
+    """The model and its readout are checked once, up front: a readout of another model used to turn
+    every item into an error row."""
+    model, other = tiny_model("llama", seed=13, vocab_size=VOCAB), tiny_model("llama", seed=14, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"the readout comes from another model"):
+        igd.attribute_dataset(model, tokenizer, _facts(2).dropna(), layers=[2], steps=2, progress=False,
+                              readout=ig.Readout(other))
+    results, errors = igd.attribute_dataset(model, tokenizer, _facts(2).dropna(), layers=[2], steps=2,
+                                            progress=False, readout=ig.Readout(model))
+    assert errors.empty and len(results)
