@@ -77,7 +77,8 @@ def _check_item(model, tokenizer, item, got, block_rows, resolution, top_k, foil
             np.testing.assert_array_equal(totals["share"].to_numpy(), moved[:position + 1].numpy())
             assert (moved[position + 1:-1] == 0).all()  # nothing moved from a later position
             source_rest = rows[rows["kind"] == "source_rest"]["share"].iloc[0]
-            assert source_rest + totals["share"].sum() == pytest.approx(delta_p, abs=1e-7)
+            # float32 shares summed in another order: a few float32 ulps of Δp (1e-7 failed at 1 thread)
+            assert source_rest + totals["share"].sum() == pytest.approx(delta_p, abs=1e-6)
 
 
 # probabilities of a random model over 49152 tokens are ~2e-5: their shares are all tied with 0, so
