@@ -28,6 +28,9 @@ norm to ``mid_M(s)``, plus the residual ``cot_M(s)``; the cotangent on the atten
 ``cot_mid_M(s) + [s == t] gbar_attn_M``, back through post-norm, output projection, the pattern
 (rows at every query), values and input norm to the keys' states ``h_(M-1)(k)``.
 
+Node to node: :meth:`Graph.adjacency` seeds the same sweep with one node's own cotangent, which
+splits that node's share exactly over every node upstream of it, the embeddings and the constants.
+
 No credit flows through queries and keys: the patterns are fixed (as in circuit-tracer, DPA and
 DePass). Unlike them, this is in probability, needs no transcoder and has no error node.
 
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -208,6 +211,23 @@ class Node(NamedTuple):
 
 
 @dataclass
+class Adjacency:
+    """Node-to-node credit among chosen nodes (:meth:`Graph.adjacency`), in the unit of f.
+
+    Attributes:
+        nodes: the N nodes; weights: (N, N) ``[i, j]`` the part of node j's share that flows through
+            node i (0 unless i is upstream of j: an earlier block, or a head of a neuron's own block).
+        embeddings: (N, S) node j's share split over every token embedding (all positions, chosen or
+            not); constants: (N,) the part from the constants between. Row sums: ``embeddings[j].sum()
+            + constants[j]`` is node j's share.
+    """
+    nodes: list
+    weights: torch.Tensor
+    embeddings: torch.Tensor
+    constants: torch.Tensor
+
+
+@dataclass
 class Graph:
     """The attribution graph of one answer token, in the unit of f (float64).
 
@@ -275,6 +295,71 @@ class Graph:
     def tokens(self, tokenizer) -> list[str]:
         """The sequence's tokens as text, one per position."""
         return [tokenizer.decode([i]) for i in self.input_ids.tolist()]
+
+    def adjacency(self, nodes: Sequence[Node]) -> Adjacency:
+        """How each node's share reaches it through the others: one seeded sweep per node.
+
+        Node j's share is ``<c_j, out_j>`` with ``c_j`` its cotangent in the graph's sweep. Seeding
+        the sweep with ``c_j`` alone, at node j's output, and sweeping down to the embeddings splits
+        that share exactly over every upstream node i (``<its cotangent, its output>``), over the
+        token embeddings and the constants in between, as the whole graph splits ``delta``.
+        Needs ``attribution_graph(..., maps=True)``; costs one partial sweep per head or neuron.
+
+        Args:
+            nodes: e.g. :meth:`pruned`'s.
+
+        Returns:
+            :class:`Adjacency` over ``nodes`` (in their order).
+        """
+        if self._maps is None:
+            raise ValueError("the graph kept no maps: build it with attribution_graph(..., maps=True)")
+        blocks, cotangents, h0 = self._maps
+        S, N = h0.shape[0], len(nodes)
+        nodes = [Node(*node) for node in nodes]
+        weights = torch.zeros(N, N, dtype=torch.float64)
+        embeddings = torch.zeros(N, S, dtype=torch.float64)
+        constants = torch.zeros(N, dtype=torch.float64)
+
+        def credit(j, kind, layer, shares):  # shares (S, H) or (S, d_ff) of block layer + 1
+            for i, node in enumerate(nodes):
+                if node.kind == kind and node.block == layer + 1:
+                    weights[i, j] = shares[node.position, node.index]
+
+        for j, node in enumerate(nodes):
+            if node.kind not in ("head", "neuron", "embedding") or not 0 <= node.block <= len(blocks):
+                raise ValueError(f"nodes[{j}] = {node} is not a node of this graph")
+            if node.kind == "embedding":
+                embeddings[j, node.position] = self.embeddings[node.position]
+                continue
+            layer, block = node.block - 1, blocks[node.block - 1]
+            if node.kind == "neuron":
+                c_m = torch.zeros_like(cotangents[layer][0])
+                c_m[node.position, node.index] = cotangents[layer][0][node.position, node.index]
+                cot, const = block.mlp_to_input(c_m)
+                back, k = block.attn_from_output(cot)
+                credit(j, "head", layer, (block.zh * back).sum(-1))
+                c_x, k2 = block.attn_to_input(back)
+                cot, const = cot + c_x, const + k + k2
+            else:
+                back = torch.zeros_like(cotangents[layer][1])
+                back[node.position, node.index] = cotangents[layer][1][node.position, node.index]
+                cot, const = block.attn_to_input(back)
+            for below in reversed(range(layer)):
+                block = blocks[below]
+                c_m, k = block.mlp_from_output(cot)
+                credit(j, "neuron", below, c_m * block.m)
+                c_mid, k2 = block.mlp_to_input(c_m)
+                cot = cot + c_mid
+                back, k3 = block.attn_from_output(cot)
+                credit(j, "head", below, (block.zh * back).sum(-1))
+                c_x, k4 = block.attn_to_input(back)
+                cot, const = cot + c_x, const + k + k2 + k3 + k4
+            embeddings[j] = (cot * h0).sum(-1)
+            constants[j] = const
+            for i, other in enumerate(nodes):
+                if other.kind == "embedding":
+                    weights[i, j] = embeddings[j, other.position]
+        return Adjacency(nodes, weights, embeddings, constants)
 
     def pruned(self, fraction: float = 0.8) -> list[Node]:
         """The nodes that together carry ``fraction`` of the total |share| of their layer-kind.
