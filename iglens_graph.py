@@ -28,6 +28,9 @@ norm to ``mid_M(s)``, plus the residual ``cot_M(s)``; the cotangent on the atten
 ``cot_mid_M(s) + [s == t] gbar_attn_M``, back through post-norm, output projection, the pattern
 (rows at every query), values and input norm to the keys' states ``h_(M-1)(k)``.
 
+Node to node: :meth:`Graph.adjacency` seeds the same sweep with one node's own cotangent, which
+splits that node's share exactly over every node upstream of it, the embeddings and the constants.
+
 No credit flows through queries and keys: the patterns are fixed (as in circuit-tracer, DPA and
 DePass). Unlike them, this is in probability, needs no transcoder and has no error node.
 
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -208,6 +211,23 @@ class Node(NamedTuple):
 
 
 @dataclass
+class Adjacency:
+    """Node-to-node credit among chosen nodes (:meth:`Graph.adjacency`), in the unit of f.
+
+    Attributes:
+        nodes: the N nodes; weights: (N, N) ``[i, j]`` the part of node j's share that flows through
+            node i (0 unless i is upstream of j: an earlier block, or a head of a neuron's own block).
+        embeddings: (N, S) node j's share split over every token embedding (all positions, chosen or
+            not); constants: (N,) the part from the constants between. Row sums: ``embeddings[j].sum()
+            + constants[j]`` is node j's share.
+    """
+    nodes: list
+    weights: torch.Tensor
+    embeddings: torch.Tensor
+    constants: torch.Tensor
+
+
+@dataclass
 class Graph:
     """The attribution graph of one answer token, in the unit of f (float64).
 
@@ -261,6 +281,7 @@ class Graph:
     rebuild: float = 0.0
     quadrature_defect: float = 0.0
     gbar: Optional[torch.Tensor] = field(default=None, repr=False)  # (n, 2, d) attn, mlp
+    _maps: Optional[tuple] = field(default=None, repr=False, compare=False)  # attribution_graph(maps=True)
 
     @property
     def n_layers(self) -> int:
@@ -274,6 +295,71 @@ class Graph:
     def tokens(self, tokenizer) -> list[str]:
         """The sequence's tokens as text, one per position."""
         return [tokenizer.decode([i]) for i in self.input_ids.tolist()]
+
+    def adjacency(self, nodes: Sequence[Node]) -> Adjacency:
+        """How each node's share reaches it through the others: one seeded sweep per node.
+
+        Node j's share is ``<c_j, out_j>`` with ``c_j`` its cotangent in the graph's sweep. Seeding
+        the sweep with ``c_j`` alone, at node j's output, and sweeping down to the embeddings splits
+        that share exactly over every upstream node i (``<its cotangent, its output>``), over the
+        token embeddings and the constants in between, as the whole graph splits ``delta``.
+        Needs ``attribution_graph(..., maps=True)``; costs one partial sweep per head or neuron.
+
+        Args:
+            nodes: e.g. :meth:`pruned`'s.
+
+        Returns:
+            :class:`Adjacency` over ``nodes`` (in their order).
+        """
+        if self._maps is None:
+            raise ValueError("the graph kept no maps: build it with attribution_graph(..., maps=True)")
+        blocks, cotangents, h0 = self._maps
+        S, N = h0.shape[0], len(nodes)
+        nodes = [Node(*node) for node in nodes]
+        weights = torch.zeros(N, N, dtype=torch.float64)
+        embeddings = torch.zeros(N, S, dtype=torch.float64)
+        constants = torch.zeros(N, dtype=torch.float64)
+
+        def credit(j, kind, layer, shares):  # shares (S, H) or (S, d_ff) of block layer + 1
+            for i, node in enumerate(nodes):
+                if node.kind == kind and node.block == layer + 1:
+                    weights[i, j] = shares[node.position, node.index]
+
+        for j, node in enumerate(nodes):
+            if node.kind not in ("head", "neuron", "embedding") or not 0 <= node.block <= len(blocks):
+                raise ValueError(f"nodes[{j}] = {node} is not a node of this graph")
+            if node.kind == "embedding":
+                embeddings[j, node.position] = self.embeddings[node.position]
+                continue
+            layer, block = node.block - 1, blocks[node.block - 1]
+            if node.kind == "neuron":
+                c_m = torch.zeros_like(cotangents[layer][0])
+                c_m[node.position, node.index] = cotangents[layer][0][node.position, node.index]
+                cot, const = block.mlp_to_input(c_m)
+                back, k = block.attn_from_output(cot)
+                credit(j, "head", layer, (block.zh * back).sum(-1))
+                c_x, k2 = block.attn_to_input(back)
+                cot, const = cot + c_x, const + k + k2
+            else:
+                back = torch.zeros_like(cotangents[layer][1])
+                back[node.position, node.index] = cotangents[layer][1][node.position, node.index]
+                cot, const = block.attn_to_input(back)
+            for below in reversed(range(layer)):
+                block = blocks[below]
+                c_m, k = block.mlp_from_output(cot)
+                credit(j, "neuron", below, c_m * block.m)
+                c_mid, k2 = block.mlp_to_input(c_m)
+                cot = cot + c_mid
+                back, k3 = block.attn_from_output(cot)
+                credit(j, "head", below, (block.zh * back).sum(-1))
+                c_x, k4 = block.attn_to_input(back)
+                cot, const = cot + c_x, const + k + k2 + k3 + k4
+            embeddings[j] = (cot * h0).sum(-1)
+            constants[j] = const
+            for i, other in enumerate(nodes):
+                if other.kind == "embedding":
+                    weights[i, j] = embeddings[j, other.position]
+        return Adjacency(nodes, weights, embeddings, constants)
 
     def pruned(self, fraction: float = 0.8) -> list[Node]:
         """The nodes that together carry ``fraction`` of the total |share| of their layer-kind.
@@ -382,10 +468,101 @@ def _check_int(name: str, value, low: int, high: int) -> int:
     return int(value)
 
 
+class _Block:
+    """One block linearised at the recorded pass: patterns and norm denominators fixed, the MLP by its
+    path integral from 0. Holds what the sweep reads (S positions, float64) and its four backward maps,
+    each returning the credit of the constants it passes."""
+
+    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int):
+        where = f"block {layer + 1}"
+        x, mid, out = store[("h", layer)], store[("norm2", layer), "in"], store[("h", layer + 1)]  # (S, d)
+        S, d = x.shape
+        # ---- the MLP, frozen at its recorded input
+        self.norm2 = _freeze_norm(part["norm2"], mid, store[("norm2", layer), "out"], where + " pre-MLP norm")
+        z = self.norm2.forward(mid)  # (S, d)
+        self.W_down, self.b_down = _weights(part["down_proj"])  # (d, d_ff), (d,)
+        act, self.kind, self.defect = part["act"], part["kind"], 0.0
+        if self.kind == "gated":
+            if isinstance(getattr(part["mlp"], "gate_up_proj", None), nn.Module):  # Phi-3: gate, then up
+                self.W_g, self.W_u = _weights(part["mlp"].gate_up_proj)[0].chunk(2, 0)  # (d_ff, d) each
+            else:
+                self.W_g, self.W_u = _weights(part["mlp"].gate_proj)[0], _weights(part["mlp"].up_proj)[0]
+            g, self.u = z @ self.W_g.T, z @ self.W_u.T  # (S, d_ff)
+            self.a, self.b, self.defect = path_coefficients(act, g)
+            self.m = act(g) * self.u  # (S, d_ff) neuron outputs
+        else:
+            self.W_1, b_1 = _weights(part["mlp"].c_fc)  # (d_ff, d), (d_ff,)
+            b_1 = b_1 if b_1 is not None else torch.zeros(self.W_1.shape[0], dtype=torch.float64)
+            p = z @ self.W_1.T  # (S, d_ff)
+            self.m, self.m_const = act(p + b_1), act(b_1).expand_as(p)
+            self.slope = torch.where(p != 0, (self.m - self.m_const) / torch.where(p != 0, p, 1.0),
+                                     _derivative(act, b_1).expand_as(p))  # (S, d_ff)
+        y = self.m @ self.W_down.T + (self.b_down if self.b_down is not None else 0.0)  # (S, d)
+        self.post2 = (_freeze_norm(part["post_mlp"], y, store[("post_mlp", layer), "out"], where + " post-MLP norm")
+                      if part["post_mlp"] is not None else None)
+        self.rebuild = _gap(mid + (self.post2.forward(y) if self.post2 is not None else y), out)
+        # ---- the attention, patterns and denominators fixed
+        self.norm1 = _freeze_norm(part["norm1"], x, store[("norm1", layer), "out"], where + " input norm")
+        name, module = part["values"]
+        W_v, b_v = _weights(module)
+        if name == "c_attn":  # GPT-2: queries, keys, values stacked
+            W_v, b_v = W_v[2 * d:], (b_v[2 * d:] if b_v is not None else None)
+        elif name == "qkv_proj":  # Phi-3: H query heads, H_kv key heads, H_kv value heads
+            cut = W_v.shape[0] * (H + H_kv) // (H + 2 * H_kv)
+            W_v, b_v = W_v[cut:], (b_v[cut:] if b_v is not None else None)
+        self.W_v, self.b_v, self.kv = W_v, b_v, (H if name == "c_attn" else H_kv)
+        v = self.norm1.forward(x) @ W_v.T + (b_v if b_v is not None else 0.0)  # (S, H_kv * hd)
+        self.group = torch.arange(H) // (H // self.kv)
+        self.v_heads = v.view(S, self.kv, -1)[:, self.group]  # (S, H, hd)
+        self.A = store[("pattern", layer)]  # (H, S, S) query, key
+        if self.A.shape != (H, S, S):
+            raise ValueError(f"{where}: attention pattern of shape {tuple(self.A.shape)}, expected {(H, S, S)}")
+        self.zh = torch.einsum("hqk,khd->qhd", self.A, self.v_heads)  # (S, H, hd)
+        self.W_o, self.b_o = _weights(part["out_proj"])  # (d, H * hd)
+        o = self.zh.reshape(S, -1) @ self.W_o.T + (self.b_o if self.b_o is not None else 0.0)  # (S, d)
+        self.post1 = (_freeze_norm(part["post_attn"], o, store[("post_attn", layer), "out"],
+                                   where + " post-attention norm") if part["post_attn"] is not None else None)
+        self.rebuild = max(self.rebuild, _gap(x + (self.post1.forward(o) if self.post1 is not None else o), mid))
+
+    def mlp_from_output(self, c_y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Cotangent (S, d) on the MLP increment -> (S, d_ff) on each neuron's output; the down bias's credit."""
+        c_u = self.post2.back(c_y) if self.post2 is not None else c_y  # (S, d)
+        return c_u @ self.W_down, (float((c_u * self.b_down).sum()) if self.b_down is not None else 0.0)
+
+    def mlp_to_input(self, c_m: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(S, d_ff) on the neurons' outputs -> (S, d) on ``mid``; the MLP's constants' credit."""
+        if self.kind == "gated":
+            c_z, const = (c_m * self.u * self.a) @ self.W_g + (c_m * self.b) @ self.W_u, 0.0  # (S, d)
+        else:
+            c_z, const = (c_m * self.slope) @ self.W_1, float((c_m * self.m_const).sum())
+        if self.norm2.beta is not None:
+            const += float((c_z * self.norm2.beta).sum())
+        return self.norm2.back(c_z), const
+
+    def attn_from_output(self, c_y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(S, d) on the attention increment -> (S, H, hd) on each head's output; the output bias's credit."""
+        c_o = self.post1.back(c_y) if self.post1 is not None else c_y  # (S, d)
+        back = (c_o @ self.W_o).view(c_o.shape[0], self.zh.shape[1], -1)  # (S, H, hd)
+        return back, (float((c_o * self.b_o).sum()) if self.b_o is not None else 0.0)
+
+    def attn_to_input(self, back: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(S, H, hd) on the heads' outputs -> (S, d) on the block input, through the fixed pattern and
+        the values; the value bias's and the input norm's constants' credit."""
+        c_vh = torch.einsum("hqk,qhd->khd", self.A, back)  # (S, H, hd) on each head's values
+        S = c_vh.shape[0]
+        c_v = torch.zeros(S, self.kv, c_vh.shape[-1], dtype=torch.float64).index_add_(1, self.group, c_vh)
+        c_v = c_v.reshape(S, -1)  # (S, H_kv * hd)
+        const = float((c_v * self.b_v).sum()) if self.b_v is not None else 0.0
+        c_x1 = c_v @ self.W_v  # (S, d)
+        if self.norm1.beta is not None:
+            const += float((c_x1 * self.norm1.beta).sum())
+        return self.norm1.back(c_x1), const
+
+
 @torch.no_grad()
 def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, estimator: str = "prediction_aware",
                       steps: int = 16, quantity: str = "prob", foil=None, readout: Optional[Readout] = None,
-                      edges: bool = True) -> Graph:
+                      edges: bool = True, maps: bool = False) -> Graph:
     """The exact attribution graph of answer token ``token`` (see the module docstring).
 
     Args:
@@ -397,6 +574,8 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
             ``"prediction_aware"`` makes ``delta`` equal ``f(h_n) - f(h_0)`` exactly.
         quantity, foil, readout: as ``ig_lens`` (foil: one id or one per answer token).
         edges: also return the (n, H, S, S) edges (float64; skip them for long sequences).
+        maps: keep every block's linearised maps (float64 copies of its weights) on the graph, for
+            :meth:`Graph.adjacency`.
 
     Returns:
         :class:`Graph`.
@@ -414,8 +593,9 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     steps = _check_int("steps", steps, 1, 10 ** 6)
     check_quantity(quantity)
-    if not isinstance(edges, bool):
-        raise ValueError(f"edges must be True or False, got {edges!r}")
+    for name, flag in (("edges", edges), ("maps", maps)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     check_same_model(model, readout=readout)
     readout = readout or Readout(model)
     adapter = get_adapter(model)
@@ -447,114 +627,48 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
     delta_p = float(lens[-1] - lens[0])
     readable = torch.cat([torch.zeros(1, dtype=torch.float64), (attn_terms + mlp_terms).cumsum(0)])  # (n+1,)
 
-    d = h[0].shape[-1]
+    blocks = [_Block(parts[layer], store, layer, H, H_kv) for layer in range(n)]
+    rebuild = max(block.rebuild for block in blocks)
+    if rebuild > REBUILD_TOLERANCE:
+        raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}): "
+                         "this architecture computes its blocks otherwise than the graph assumes")
     carried = torch.zeros(n + 1, S, dtype=torch.float64)
     constants = torch.zeros(n, 2, dtype=torch.float64)
     heads_out = torch.zeros(n, H, S, dtype=torch.float64)
     heads_direct = torch.zeros(n, H, dtype=torch.float64)
     edges_out = torch.zeros(n, H, S, S, dtype=torch.float64) if edges else None
-    neurons_out, neurons_direct = [], []
-    rebuild, defect = 0.0, 0.0
-    cot = torch.zeros(S, d, dtype=torch.float64)  # cotangent on h_n: nothing reads it but the top terms
+    neurons_out, neurons_direct = [None] * n, [None] * n
+    cotangents = []  # per block: (neuron cotangents (S, d_ff), head cotangents (S, H, hd))
+    cot = torch.zeros_like(h[0])  # (S, d) cotangent on h_n: nothing reads it but the top terms
     for layer in reversed(range(n)):
-        part, where = parts[layer], f"block {layer + 1}"
-        # ---- the MLP, frozen at its recorded input
-        norm2 = _freeze_norm(part["norm2"], mid[layer], store[("norm2", layer), "out"], where + " pre-MLP norm")
-        z = norm2.forward(mid[layer])  # (S, d)
-        W_down, b_down = _weights(part["down_proj"])  # (d, d_ff), (d,)
-        act = part["act"]
-        if part["kind"] == "gated":
-            if isinstance(getattr(part["mlp"], "gate_up_proj", None), nn.Module):  # Phi-3: gate, then up
-                W_g, W_u = _weights(part["mlp"].gate_up_proj)[0].chunk(2, 0)  # (d_ff, d) each
-            else:
-                W_g, _ = _weights(part["mlp"].gate_proj)  # (d_ff, d)
-                W_u, _ = _weights(part["mlp"].up_proj)
-            g, u = z @ W_g.T, z @ W_u.T  # (S, d_ff)
-            a, b, err = path_coefficients(act, g)
-            defect = max(defect, err)
-            m = act(g) * u  # (S, d_ff) neuron outputs
-            m_const = torch.zeros_like(m)
-        else:
-            W_1, b_1 = _weights(part["mlp"].c_fc)  # (d_ff, d), (d_ff,)
-            b_1 = b_1 if b_1 is not None else torch.zeros(W_1.shape[0], dtype=torch.float64)
-            p = z @ W_1.T  # (S, d_ff)
-            m, m_const = act(p + b_1), act(b_1).expand_as(p)
-            slope = torch.where(p != 0, (m - m_const) / torch.where(p != 0, p, 1.0),
-                                _derivative(act, b_1).expand_as(p))
-        y = m @ W_down.T + (b_down if b_down is not None else 0.0)  # (S, d)
-        post2 = (_freeze_norm(part["post_mlp"], y, store[("post_mlp", layer), "out"], where + " post-MLP norm")
-                 if part["post_mlp"] is not None else None)
-        increment = post2.forward(y) if post2 is not None else y
-        rebuild = max(rebuild, _gap(mid[layer] + increment, h[layer + 1]))
-        c_y = cot.clone()
-        c_y[t] += gbar[layer, 1]
-        c_u = post2.back(c_y) if post2 is not None else c_y  # (S, d)
-        c_m = c_u @ W_down  # (S, d_ff) cotangent on each neuron's output
-        neurons_out.append(c_m * m)
-        read_t = (post2.scale[t] * gbar[layer, 1]) if post2 is not None else gbar[layer, 1]
-        neurons_direct.append((read_t @ W_down) * m[t])
-        const = float((c_u * b_down).sum()) if b_down is not None else 0.0
-        if part["kind"] == "gated":
-            c_z = (c_m * u * a) @ W_g + (c_m * b) @ W_u  # (S, d)
-        else:
-            c_z = (c_m * slope) @ W_1
-            const += float((c_m * m_const).sum())
-        if norm2.beta is not None:
-            const += float((c_z * norm2.beta).sum())
-        constants[layer, 1] = const
-        cot_mid = cot + norm2.back(c_z)  # (S, d)
-
-        # ---- the attention, patterns and denominators fixed
-        norm1 = _freeze_norm(part["norm1"], h[layer], store[("norm1", layer), "out"], where + " input norm")
-        x1 = norm1.forward(h[layer])  # (S, d)
-        name, module = part["values"]
-        W_v, b_v = _weights(module)
-        if name == "c_attn":  # GPT-2: queries, keys, values stacked
-            W_v, b_v = W_v[2 * d:], (b_v[2 * d:] if b_v is not None else None)
-        elif name == "qkv_proj":  # Phi-3: H query heads, H_kv key heads, H_kv value heads
-            cut = W_v.shape[0] * (H + H_kv) // (H + 2 * H_kv)
-            W_v, b_v = W_v[cut:], (b_v[cut:] if b_v is not None else None)
-        kv = H if name == "c_attn" else H_kv
-        v = (x1 @ W_v.T + (b_v if b_v is not None else 0.0)).view(S, kv, -1)  # (S, H_kv, hd)
-        group = torch.arange(H) // (H // kv)
-        v_heads = v[:, group]  # (S, H, hd)
-        A = store[("pattern", layer)]  # (H, S, S) query, key
-        if A.shape != (H, S, S):
-            raise ValueError(f"{where}: attention pattern of shape {tuple(A.shape)}, expected {(H, S, S)}")
-        zh = torch.einsum("hqk,khd->qhd", A, v_heads)  # (S, H, hd)
-        W_o, b_o = _weights(part["out_proj"])  # (d, H * hd)
-        o = zh.reshape(S, -1) @ W_o.T + (b_o if b_o is not None else 0.0)  # (S, d)
-        post1 = (_freeze_norm(part["post_attn"], o, store[("post_attn", layer), "out"], where + " post-attention norm")
-                 if part["post_attn"] is not None else None)
-        increment = post1.forward(o) if post1 is not None else o
-        rebuild = max(rebuild, _gap(h[layer] + increment, mid[layer]))
-        c_y = cot_mid.clone()
-        c_y[t] += gbar[layer, 0]
-        c_o = post1.back(c_y) if post1 is not None else c_y  # (S, d)
-        back = (c_o @ W_o).view(S, H, -1)  # (S, H, hd) cotangent on each head's output
-        heads_out[layer] = (zh * back).sum(-1).T
-        read_t = (post1.scale[t] * gbar[layer, 0]) if post1 is not None else gbar[layer, 0]
-        heads_direct[layer] = (zh[t] * (read_t @ W_o).view(H, -1)).sum(-1)
+        block = blocks[layer]
+        seed = torch.zeros_like(cot)
+        seed[t] = gbar[layer, 1]
+        c_m, const_out = block.mlp_from_output(cot + seed)  # (S, d_ff)
+        neurons_out[layer] = c_m * block.m
+        neurons_direct[layer] = block.mlp_from_output(seed)[0][t] * block.m[t]
+        c_mid, const_in = block.mlp_to_input(c_m)
+        constants[layer, 1] = const_out + const_in
+        cot_mid = cot + c_mid  # (S, d)
+        seed = torch.zeros_like(cot)
+        seed[t] = gbar[layer, 0]
+        back, const_out = block.attn_from_output(cot_mid + seed)  # (S, H, hd)
+        heads_out[layer] = (block.zh * back).sum(-1).T
+        heads_direct[layer] = (block.zh[t] * block.attn_from_output(seed)[0][t]).sum(-1)
         if edges_out is not None:
-            edges_out[layer] = A * torch.einsum("qhd,khd->hqk", back, v_heads)
-        c_vh = torch.einsum("hqk,qhd->khd", A, back)  # (S, H, hd) cotangent on each head's values
-        c_v = torch.zeros(S, kv, c_vh.shape[-1], dtype=torch.float64).index_add_(1, group, c_vh).reshape(S, -1)
-        const = float((c_o * b_o).sum()) if b_o is not None else 0.0
-        if b_v is not None:
-            const += float((c_v * b_v).sum())
-        c_x1 = c_v @ W_v  # (S, d)
-        if norm1.beta is not None:
-            const += float((c_x1 * norm1.beta).sum())
-        constants[layer, 0] = const
-        cot = cot_mid + norm1.back(c_x1)
+            edges_out[layer] = block.A * torch.einsum("qhd,khd->hqk", back, block.v_heads)
+        c_x, const_in = block.attn_to_input(back)
+        constants[layer, 0] = const_out + const_in
+        cotangents.append((c_m, back))
+        cot = cot_mid + c_x
         carried[layer] = (cot * h[layer]).sum(-1)
-    if rebuild > REBUILD_TOLERANCE:
-        raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}): "
-                         "this architecture computes its blocks otherwise than the graph assumes")
     above = constants.sum(1).flip(0).cumsum(0).flip(0)  # (n,) constants of blocks >= L+1
     constants_above = torch.cat([above, torch.zeros(1, dtype=torch.float64)])  # (n+1,)
-    return Graph(token, t, int(targets[token]), None if foils is None else int(foils[token]), quantity, estimator,
-                 steps, input_ids[0].clone(), delta, delta_p, abs(delta - delta_p), attn_terms, mlp_terms,
-                 readable, carried, constants, constants_above, float(constants.sum()), carried[0].clone(),
-                 heads_out, heads_direct, torch.stack(neurons_out[::-1]), torch.stack(neurons_direct[::-1]),
-                 edges_out, rebuild, defect, gbar)
+    graph = Graph(token, t, int(targets[token]), None if foils is None else int(foils[token]), quantity, estimator,
+                  steps, input_ids[0].clone(), delta, delta_p, abs(delta - delta_p), attn_terms, mlp_terms,
+                  readable, carried, constants, constants_above, float(constants.sum()), carried[0].clone(),
+                  heads_out, heads_direct, torch.stack(neurons_out), torch.stack(neurons_direct),
+                  edges_out, rebuild, max(block.defect for block in blocks), gbar)
+    if maps:
+        graph._maps = (blocks, cotangents[::-1], h[0])
+    return graph
