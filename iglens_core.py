@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from iglens_models import CACHE_DIR, PACKAGED_MODELS, convert_gguf, quiet_transformers  # noqa: F401 (re-exported)
+from iglens_models import CACHE_DIR, PACKAGED_MODELS, ROOT, convert_gguf, quiet_transformers  # noqa: F401 (re-exported)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of logits one readout chunk may hold

@@ -139,20 +139,27 @@ def test_missing_scores_are_zero(case):
 
 @pytest.mark.parametrize("ties", ["index", "random"])
 def test_order_ties(ties):
+    """Only exactly equal scores tie (as the original's sort); they go by the seed's permutation (or
+    the index); distinct scores, however close, go by value, and nothing chains."""
     gen = np.random.default_rng(0)
-    x = gen.permutation(1000) * 0.01 - 5.0  # spaced far beyond the tolerance (1e-6 of the largest)
-    x[[10, 500, 900]] = 10.0 + np.array([1e-9, 0.0, -1e-9])  # equal within rounding
+    x = gen.permutation(1000) * 0.01 - 5.0
+    x[[10, 500, 900]] = 10.0 + np.array([1e-9, 0.0, -1e-9])  # close but distinct: by value
     x[[20, 30, 40, 50]] = -20.0  # exactly equal
     order = igdpa.dpa_order(x, ties=ties, seed=5)
     key = np.arange(1000) if ties == "index" else np.random.default_rng(5).permutation(1000)
-    assert list(order[:3]) == sorted([10, 500, 900], key=lambda i: key[i])
+    assert list(order[:3]) == [10, 500, 900]
     assert list(order[-4:]) == sorted([20, 30, 40, 50], key=lambda i: key[i])
-    # a perturbation at the rounding level leaves the order as it is
-    np.testing.assert_array_equal(igdpa.dpa_order(x * (1 + 1e-10 * gen.standard_normal(1000)), ties=ties, seed=5),
-                                  order)
-    # distinct values: descending
-    assert (np.diff(x[order[3:-4]]) < 0).all()
-    assert sorted(order) == list(range(1000))
+    assert (np.diff(x[order]) <= 0).all() and sorted(order) == list(range(1000))
+    # by-hand reference: descending value, exact ties by the key
+    reference = sorted(range(1000), key=lambda i: (-x[i], key[i]))
+    assert list(order) == reference
+
+
+def test_order_does_not_chain():
+    """200,000 distinct heavy-tailed scores keep their value order (the earlier single-linkage rule
+    left 198,704 of them out of it)."""
+    x = np.random.default_rng(1).standard_cauchy(200_000)
+    np.testing.assert_array_equal(igdpa.dpa_order(x, ties="random", seed=0), np.argsort(-x, kind="stable"))
 
 
 def test_order_rejects_bad_tie_rule():
