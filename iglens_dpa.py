@@ -353,7 +353,10 @@ def dpa_areas(disrupt, recover, fractions: Optional[Sequence[float]] = None, *, 
         raise ValueError(f"scale='log' needs at least two fractions, got {x}")
     out = {}
     for name, mode, drops in (("disturb_aoc", "disrupt", disrupt), ("recover_aoc", "recover", recover)):
-        drops = np.atleast_2d(np.asarray(drops, dtype=np.float64))
+        try:  # NaN drops are allowed (nanmean below); text is not
+            drops = np.atleast_2d(np.asarray(drops, dtype=np.float64))
+        except (TypeError, ValueError):
+            raise ValueError(f"{mode} drops must be numbers (items, fractions), got {str(drops)[:60]!r}") from None
         if drops.ndim != 2 or drops.shape[1] != x.size:
             raise ValueError(f"{mode} drops must have shape (items, {x.size}), got {drops.shape}")
         with warnings.catch_warnings():

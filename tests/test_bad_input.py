@@ -577,3 +577,10 @@ def test_cli_unexpected_errors_and_interrupts(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("IGLENS_DEBUG")
     assert igcli.main(["Hi?"]) == 2
     assert capsys.readouterr().err.startswith("iglens: error: [Errno 2] No such file")
+
+
+def test_dpa_areas_refuses_text_drops():
+    import iglens_dpa as igdpa
+    fractions = [0.1, 0.5, 1.0]
+    with pytest.raises(ValueError, match="disrupt drops must be numbers"):
+        igdpa.dpa_areas([["a", "b", "c"]], [[0.0, 0.0, 0.0]], fractions)
