@@ -33,6 +33,9 @@ Items, in the order of the issue:
     full forward pass per cell;
 14. Dual Path Attribution's ablation protocol for one fact (10 fractions x 2 modes, batched) against
     one forward pass per fraction, and IG-Lens's component scores against AtP's (issue 23);
+15. the whole attribution graph of one answer token (``iglens_graph.attribution_graph``, with and
+    without edges) against AtP's forward and backward pass on the same item, short and long prompt,
+    with a cProfile split of one call (recording pass, readout, linearised blocks, sweep) (issue 31);
 
 and the levers measured for the readout (node products, chunk rows, log-softmax vs logsumexp,
 the tangent's product, inference mode).
@@ -76,6 +79,7 @@ import iglens_plot as igp  # noqa: E402
 import iglens_baselines as igb  # noqa: E402
 import iglens_causal as igc  # noqa: E402
 import iglens_dpa as igdpa  # noqa: E402
+import iglens_graph as iggraph  # noqa: E402
 
 PROMPT = "What is the capital of Vietnam?"
 ANSWER = "The capital of Vietnam is Hanoi."
@@ -1096,10 +1100,62 @@ def item14_dpa(ctx) -> None:
                 fmt_time(best[name]), fmt_time(best["atp"]), f"{ratio:.2f}x the time", "<= 0.5x", ratio <= 0.5)
 
 
+def _graph_split(fn: Callable) -> dict[str, float]:
+    """Seconds of one call of ``fn`` (an attribution graph) by part, from cProfile's cumulative times:
+    the recording forward pass, the readout along the segments, the linearised blocks, the rest (the
+    backward sweep, with edges if asked)."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    total = max(v[3] for (file, _, name), v in stats.items() if name == "attribution_graph")
+
+    def cumulative(file_end: str, name: str) -> float:
+        return sum(v[3] for (file, _, fname), v in stats.items() if file.endswith(file_end) and fname == name)
+
+    parts = {"record": cumulative("iglens_graph.py", "_record"),
+             "readout": cumulative("iglens_core.py", "along_segments"),
+             "blocks": cumulative("iglens_graph.py", "__init__")}
+    parts["sweep"] = total - sum(parts.values())
+    return {"total": total, **parts}
+
+
+def item15_graph(ctx) -> None:
+    """The whole attribution graph of one answer token (issue 31) vs AtP's forward and backward pass
+    on the same item: a plain short prompt (with and without edges) and a long one (without)."""
+    model, tokenizer = ctx.model, ctx.tokenizer
+    ids, prompt_len = igd.encode(tokenizer, "The capital of France is", " Paris.", chat=False)
+    focus = prompt_len + igd.token_span(tokenizer, ids[0, prompt_len:], "Paris")[0]
+    short, target = ids[:, :focus], int(ids[0, focus])
+    long_ids = tokenizer(PASSAGE + " The capital of France is", return_tensors="pt").input_ids
+    readout = ig.Readout(model)  # one for every call, as over a dataset (item 14)
+    for prompt, edge_modes in ((short, (True, False)), (long_ids, (False,))):
+        full = torch.cat([prompt, torch.tensor([[target]])], 1)  # the answer token at prompt_len
+        S = prompt.shape[1]
+
+        def graph(edges):
+            return lambda: iggraph.attribution_graph(model, full, S, token=0, edges=edges, readout=readout)
+        fns = {f"graph_{e}": graph(e) for e in edge_modes}
+        fns["atp"] = lambda: igdpa.dpa_scores(model, prompt, target, "atp")
+        best = best_of(fns, ctx.args.repeats, ctx.device)
+        target_ratio = 1.5 if S < 32 else 1.0
+        for edges in edge_modes:
+            split = _graph_split(graph(edges))
+            shares = ", ".join(f"{k} {split[k] / split['total']:.0%}" for k in ("record", "readout", "blocks", "sweep"))
+            ratio = best[f"graph_{edges}"] / best["atp"]
+            add(f"15. attribution graph of one answer token ({S} tokens, {'with' if edges else 'without'} edges; "
+                f"one profiled call {fmt_time(split['total'])}: {shares}) vs AtP (forward + backward, every edge "
+                f"and neuron)", fmt_time(best[f"graph_{edges}"]), fmt_time(best["atp"]), f"{ratio:.2f}x the time",
+                f"<= {target_ratio:g}x", ratio <= target_ratio)
+
+
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
          5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers,
          10: item10_dataset, 11: item11_components,
-         12: item12_patching, 13: item13_causal_trace, 14: item14_dpa}
+         12: item12_patching, 13: item13_causal_trace, 14: item14_dpa, 15: item15_graph}
 
 
 def main(argv=None) -> int:
@@ -1116,7 +1172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="item 6 at 64 tokens, longer sweeps")
     parser.add_argument("--facts", type=int, default=96, help="facts of item 10 (data/facts.csv)")
     parser.add_argument("--batch-size", type=int, default=16, help="items per batch of item 10")
-    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching, 13 = causal trace, 14 = DPA ablation)")
+    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching, 13 = causal trace, 14 = DPA ablation, 15 = attribution graph)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:
