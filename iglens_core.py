@@ -1046,6 +1046,9 @@ class Readout:
             return
         weight = self.adapter.head.weight
         summed = torch.cat([item[2] for item in pending])
+        # entries below the smallest normal float (p ~ 1e-40 of most tokens) add nothing a float can hold,
+        # but subnormal operands slow the product ~30x on x86 CPUs (bench item 15): flush them to 0
+        summed = summed.masked_fill_(summed.abs() < torch.finfo(summed.dtype).tiny, 0.0)
         back = (summed.to(weight.device, weight.dtype) @ weight).to(out)  # (rows, d)
         grad = self._gain() * back - torch.cat([item[3] for item in pending]).to(out)
         if self.norm_kind == "layer":
