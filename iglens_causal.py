@@ -8,7 +8,8 @@ Imports :mod:`iglens_core` and holds, in reading order:
 2. activation patching: restore the clean residual at the predicting position, every layer in one
    batch (``activation_patching`` -> ``Patching``, notebook 05)
 3. causal tracing: restore one clean state (residual, attention or MLP output) at every position and
-   layer of a corrupted run, ROME's grid (``causal_trace`` -> ``CausalTrace``, notebook 09)
+   layer of a corrupted run, ROME's grid (``causal_trace`` -> ``CausalTrace``, notebook 09), and its
+   first-order estimate, attribution patching per state (``atp_states``)
 
 The statistics that compare these effects with attribution scores are in :mod:`iglens_stats`.
 """
@@ -105,10 +106,10 @@ def _recorded_run(model, adapter: Adapter, input_ids: torch.Tensor, *, sublayer:
     return calls, hidden, torch.stack(outputs) if sublayer is not None else None
 
 
-def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor) -> torch.Tensor:
-    """Blocks ``first+1 .. n`` (0-based ``first``) on ``hidden`` (B, L, d), with the clean call's
-    other arguments (masks, rotary position embeddings: the same for every copy)."""
-    for layer in range(first, adapter.n_layers):
+def _run_blocks(adapter: Adapter, calls, first: int, hidden: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:
+    """Blocks ``first+1 .. last`` (0-based ``first``; ``last`` default n) on ``hidden`` (B, L, d), with
+    the clean call's other arguments (masks, rotary position embeddings: the same for every copy)."""
+    for layer in range(first, adapter.n_layers if last is None else last):
         args, kwargs = calls[layer]
         if args:
             out = adapter.blocks[layer](hidden, *args[1:], **kwargs)
@@ -644,3 +645,46 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
     probs = probs.double().mean(1).to(probs.dtype)  # (S, N)
     return CausalTrace(probs=probs, p_clean=p_clean, p_corrupted=p_corrupted, kind=kind, window=window,
                        layers=layers)
+
+
+def atp_states(model, clean_ids, corrupted_ids, target: int, *, min_gap: float = MIN_GAP) -> torch.Tensor:
+    """Attribution patching per residual state: the first-order estimate of :func:`causal_trace`'s grid.
+
+    ``r_AtP(s, L) = <dp/dh_L(s) at the corrupted run, h_L(s)_clean - h_L(s)_corrupted> / (p_clean - p')``:
+    restoring ``h_L(s)`` in the corrupted run, linearised at the corrupted run (Nanda 2023; Syed et al.
+    2023), in the trace's units. One clean and one corrupted forward pass and one backward pass.
+
+    Args:
+        clean_ids, corrupted_ids: (1, S) or (S,) token ids of the same length (a subject swap).
+        target: the clean answer's token id; min_gap: as :func:`causal_trace`.
+
+    Returns:
+        (S, n+1) float64, the layout of :attr:`CausalTrace.restoration`.
+    """
+    clean, corrupted = _check_ids(model, clean_ids, "clean_ids"), _check_ids(model, corrupted_ids, "corrupted_ids")
+    if corrupted.shape != clean.shape:
+        raise ValueError(f"clean_ids and corrupted_ids must have the same length, got {clean.shape[1]} and {corrupted.shape[1]}")
+    adapter, readout = get_adapter(model), Readout(model)
+    target = plain_number(target)
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < readout.vocab_size:
+        raise ValueError(f"target must be a token id in 0..{readout.vocab_size - 1}, got {target!r}")
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        calls, clean_hidden, _ = _recorded_run(model, adapter, clean.to(device))
+        _, hidden, _ = _recorded_run(model, adapter, corrupted.to(device))
+    with torch.enable_grad():
+        states = [hidden[0].clone().requires_grad_(True)]
+        for layer in range(adapter.n_layers):
+            state = _run_blocks(adapter, calls, layer, states[-1], last=layer + 1)
+            states.append(state if state.requires_grad else state.requires_grad_(True))
+        for state in states:
+            state.retain_grad()
+        p_corrupted = torch.softmax(readout.logits(states[-1][:, -1]).double(), -1)[0, target]  # Readout's call is no-grad
+        p_corrupted.backward()
+    p_clean = float(readout(clean_hidden[-1, :, -1], torch.tensor(target)))
+    gap = p_clean - float(p_corrupted.detach())
+    if abs(gap) < min_gap:
+        raise ValueError(f"the corruption moves the target's probability by {gap:+.2e}, less than min_gap={min_gap}")
+    grads = torch.stack([state.grad[0] for state in states])  # (n+1, S, d)
+    change = (clean_hidden - hidden)[:, 0]  # (n+1, S, d)
+    return (grads.double() * change.double()).sum(-1).T / gap

@@ -8,7 +8,8 @@ Imports :mod:`iglens_core` (for its tie tolerance) and holds, in reading order:
    non-monotone lens curves (notebooks 05, 06)
 3. restoration curves: the layer where a patching or tracing restoration first reaches a level
    (``restoration_half``, ``restoration_last``), and the route scores of a (block, head, source) map
-   against a trace grid (``source_route_scores``, notebook 09)
+   and of a (node, position) state map against a trace grid (``source_route_scores``,
+   ``state_map_scores``, notebook 09)
 4. bootstrap intervals and the verdict tables the README quotes (``bootstrap_ci``, ``format_ci``,
    ``bootstrap_table``, ``onset_verdict``, ``verdict_table``; notebooks 05, 07, 09, 10)
 """
@@ -53,15 +54,42 @@ def _check_pair(scores, effects) -> tuple[np.ndarray, np.ndarray]:
     return scores, effects
 
 
+def tie_groups(descending, tolerance: float, limit: Optional[int] = None) -> np.ndarray:
+    """Group ids of values sorted largest first: a group opens at its largest member and holds every
+    later value within ``tolerance`` below it; the next value opens the next group.
+
+    Unlike single linkage (neighbours closer than the tolerance join, so a dense run of distinct
+    values chains into one group however wide), a group spans at most ``tolerance``: real
+    differences are never tied away. Values that differ only by rounding (much less than the
+    tolerance) fall in one group unless a group's edge lies within that rounding of one of them.
+
+    Args:
+        descending: (n,) float64 values, sorted largest first.
+        tolerance: the width of a group, >= 0.
+        limit: stop once this many values are grouped; the rest share the next group id.
+    """
+    ascending = -np.asarray(descending, dtype=np.float64)
+    group = np.empty(len(ascending), dtype=np.int64)
+    start = index = 0
+    while start < len(ascending):
+        stop = int(np.searchsorted(ascending, ascending[start] + tolerance, side="right"))
+        group[start:stop] = index
+        index, start = index + 1, stop
+        if limit is not None and stop >= limit:
+            group[stop:] = index
+            break
+    return group
+
+
 def tied_ranks(values) -> np.ndarray:
     """(..., n) float64 ranks ``1..n`` along the last axis, values within tolerance tied.
 
-    Sorted, neighbours closer than :func:`tie_tolerance` join one group (single linkage: two
-    values that differ by less than the tolerance are always tied; a chain of such steps is one
-    group); a group shares its members' average rank, as ``scipy.stats.rankdata`` does for
-    exact ties. A perturbation much smaller than the tolerance (the float path) changes no rank
-    unless a gap between sorted neighbours lies within it of the tolerance itself. NaN rows give
-    NaN ranks.
+    Sorted largest first, values are grouped by :func:`tie_groups` with :func:`tie_tolerance`
+    (a group holds the values within the tolerance below its largest member, so no chain of small
+    steps ties real differences); a group shares its members' average rank, as
+    ``scipy.stats.rankdata`` does for exact ties (rank n the largest). A perturbation much smaller
+    than the tolerance (the float path) changes no rank unless a value lies within it of a group's
+    edge. NaN rows give NaN ranks.
 
     Args:
         values: (..., n) scores, e.g. (T, n) per-layer values of T tokens.
@@ -73,9 +101,9 @@ def tied_ranks(values) -> np.ndarray:
     for i, (row, tol) in enumerate(zip(rows, tols)):
         if np.isnan(row).any():
             continue
-        order = np.argsort(row, kind="stable")
-        group = np.concatenate([[0], np.cumsum(np.diff(row[order]) > tol)])  # sorted order
-        position = np.arange(1.0, len(row) + 1)
+        order = np.argsort(-row, kind="stable")  # largest first
+        group = tie_groups(row[order], tol)
+        position = np.arange(len(row), 0.0, -1.0)  # the largest has rank n
         average = np.bincount(group, weights=position) / np.bincount(group)
         ranks[i, order] = average[group]
     return ranks.reshape(x.shape)
@@ -123,9 +151,11 @@ def top_positive(values, k: int) -> np.ndarray:
 def top_parts(shares, k: int) -> np.ndarray:
     """Flat indices of the ``k`` parts of largest ``|share|``, in order, never one tied with 0.
 
-    The project's tie rule, as :func:`top_positive` of ``|shares|`` applies it: sorted values closer
-    than :func:`iglens_core.tie_tolerance` join one group (single linkage), a group's members go by
-    the lower flat index, and a part whose ``|share|`` is within the tolerance of 0 is never picked (so fewer than ``k`` come back when fewer stand out from 0).
+    The project's tie rule, as :func:`top_positive` of ``|shares|`` applies it: sorted largest
+    first, values are grouped by :func:`tie_groups` with :func:`iglens_core.tie_tolerance` (a group
+    spans at most the tolerance, so no chain of small steps ties real differences), a group's
+    members go by the lower flat index, and a part whose ``|share|`` is within the tolerance of 0 is
+    never picked (so fewer than ``k`` come back when fewer stand out from 0).
 
     Args:
         shares: (...,) one token's parts, e.g. (n, H, S) sources; flattened in C order.
@@ -137,7 +167,7 @@ def top_parts(shares, k: int) -> np.ndarray:
     size = np.abs(np.asarray(torch.as_tensor(shares, dtype=torch.float64)).reshape(-1))
     tolerance = tie_tolerance(size)[0]
     order = np.argsort(-size, kind="stable")  # largest first
-    group = np.concatenate([[0], np.cumsum(-np.diff(size[order]) > tolerance)])
+    group = tie_groups(size[order], tolerance, limit=k)
     top = order[np.lexsort((order, group))][:k]  # by group, then by index within a group
     return top[size[top] > tolerance]
 
@@ -361,16 +391,27 @@ def restoration_last(restoration, level: float = 0.5) -> np.ndarray:
     return np.where(reached.any(-1), last, -1)
 
 
-SOURCE_METRICS = ("top_from_subject", "top_from_last", "names_subject_block", "distance", "within2",
-                  "spearman_positions", "spearman_grid")
+SOURCE_METRICS = ("top_from_subject", "top_from_any_subject", "top_from_last", "names_subject_block", "distance",
+                  "within2", "spearman_positions", "spearman_grid")
 
 
-def source_route_scores(parts, restoration, subject: int, *, level: float = 0.5) -> dict:
+def _subject_set(subject: int, subject_positions, S: int) -> set:
+    positions = {subject} if subject_positions is None else {int(position) for position in subject_positions}
+    if not positions or any(not 0 <= s < S - 1 for s in positions) or subject not in positions:
+        raise ValueError(f"subject_positions must be positions in 0..{S - 2} that include subject={subject}, "
+                         f"got {sorted(positions)}")
+    return positions
+
+
+def source_route_scores(parts, restoration, subject: int, *, level: float = 0.5,
+                        subject_positions: Optional[Sequence[int]] = None) -> dict:
     """One item: a (block, head, source) map of the focus token against its causal trace grid.
 
     - the top route: the (block, head, source) part with the largest value (:func:`top_positive`;
       ties to the earlier block, parts tied with zero never); ``top_from_subject`` /
       ``top_from_last``: 1.0 when its source is the last subject token / the predicting position;
+      ``top_from_any_subject``: when it is any of ``subject_positions`` (every token of the subject's
+      mentions; a multi-token name is often read at its first token);
     - ``subject_block`` (1..n): the block of the top part read from the last subject token, against
       ``trace_block``: 1 + the last node at which restoring that token alone recovers ``level`` of
       the probability (:func:`restoration_last`; block L + 1 reads node L, so a route from the subject
@@ -384,6 +425,7 @@ def source_route_scores(parts, restoration, subject: int, *, level: float = 0.5)
         parts: (n, H, S) the method's scores, S the positions up to the predicting one (the last).
         restoration: (S, n+1) :attr:`CausalTrace.restoration` of the same sequence.
         subject: position of the last subject token, 0..S-2.
+        subject_positions: every subject token's position (default: ``subject`` alone).
 
     Returns:
         A dict of floats: ``top_block``, ``top_head``, ``top_source``, ``subject_block``,
@@ -399,6 +441,7 @@ def source_route_scores(parts, restoration, subject: int, *, level: float = 0.5)
     n, _, S = parts.shape
     if isinstance(subject, bool) or not isinstance(subject, (int, np.integer)) or not 0 <= subject < S - 1:
         raise ValueError(f"subject must be a position in 0..{S - 2} (before the predicting one), got {subject!r}")
+    anywhere = _subject_set(subject, subject_positions, S)
     nan = math.nan
     top = top_positive(parts, 1)
     block, head, source = (np.unravel_index(int(top[0]), parts.shape) if len(top) else (nan, nan, nan))
@@ -411,8 +454,74 @@ def source_route_scores(parts, restoration, subject: int, *, level: float = 0.5)
     grid = np.stack([parts.sum(1).ravel(), r[:, :n].T.ravel()])
     return dict(top_block=float(block) + 1, top_head=float(head), top_source=float(source),
                 top_from_subject=float(source == subject) if len(top) else nan,
+                top_from_any_subject=float(source in anywhere) if len(top) else nan,
                 top_from_last=float(source == S - 1) if len(top) else nan,
                 names_subject_block=float(len(from_subject) > 0), subject_block=subject_block,
                 trace_block=trace_block, distance=distance, within2=float(distance <= 2) if distance == distance else nan,
                 spearman_positions=float(spearman_rows(per_position[:1], per_position[1:])[0]),
                 spearman_grid=float(spearman_rows(grid[:1], grid[1:])[0]))
+
+
+STATE_METRICS = ("top_from_subject", "top_from_any_subject", "subject_peak", "any_subject_peak", "distance", "within2",
+                 "spearman_positions", "spearman_grid")
+
+
+def state_map_scores(state_map, restoration, subject: int, *, level: float = 0.5,
+                     subject_positions: Optional[Sequence[int]] = None) -> dict:
+    """One item: a (node, position) map of the residual states against the causal trace grid, cell for
+    cell (node ``L`` = the output of block ``L``, node 0 the embedding output, as the trace restores).
+
+    Maps of this form: the attribution graph's ``carried`` (the share of Δp that ``h_L(s)`` carries
+    into later blocks, divided by Δp), attribution patching per state (:func:`iglens_causal.atp_states`,
+    the trace's first-order estimate), a random map. Over nodes ``0..n-1`` (node n holds the
+    predicting position only) and positions ``0..S-2`` (before the predicting one):
+
+    - ``top_from_subject`` / ``top_from_any_subject``: the largest cell (:func:`top_positive`) is at
+      the last subject token / at any subject token; NaN where no cell stands out from 0;
+    - ``subject_peak`` / ``any_subject_peak``: the largest value of the last subject token's column
+      / of the subject tokens' summed column over the nodes (for ``carried``: its share of Δp);
+    - ``map_block``: 1 + the last node at which the last subject token still holds ``level`` of its
+      own peak (the map's units differ from the trace's, so each map is read against its own
+      peak), against ``trace_block`` = 1 + the last node at which restoring it alone recovers
+      ``level`` (:func:`restoration_last`); ``distance`` and ``within2`` (NaN where either is missing);
+    - ``spearman_positions``: Spearman with ties over positions of the largest value per position
+      against the largest restoration; ``spearman_grid``: over the n x (S - 1) cells.
+
+    Args:
+        state_map: (n+1, S) the map, S the positions up to the predicting one (the last).
+        restoration: (S, n+1) :attr:`CausalTrace.restoration` of the same sequence.
+        subject: position of the last subject token, 0..S-2; subject_positions: every subject
+            token's position (default ``subject`` alone).
+    """
+    values = np.asarray(torch.as_tensor(state_map, dtype=torch.float64))
+    r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
+    if values.ndim != 2 or r.shape != values.T.shape or values.shape[0] < 2 or values.shape[1] < 2:
+        raise ValueError(f"state_map must be (n+1, S) and restoration (S, n+1), got {values.shape} and {r.shape}")
+    if not np.isfinite(values).all():
+        raise ValueError(f"state_map must be finite, got {int((~np.isfinite(values)).sum())} NaN or inf entries")
+    nodes, S = values.shape
+    n = nodes - 1
+    if isinstance(subject, bool) or not isinstance(subject, (int, np.integer)) or not 0 <= subject < S - 1:
+        raise ValueError(f"subject must be a position in 0..{S - 2} (before the predicting one), got {subject!r}")
+    anywhere = sorted(_subject_set(subject, subject_positions, S))
+    nan = math.nan
+    grid = values[:n, :S - 1]  # (n, S-1)
+    top = top_positive(grid, 1)
+    source = int(np.unravel_index(int(top[0]), grid.shape)[1]) if len(top) else None
+    column = values[:n, subject]
+    peak = float(column.max())
+    reached = column >= level * peak - tie_tolerance(column)[0] if peak > tie_tolerance(column)[0] else None
+    map_block = float(n - reached[::-1].argmax()) if reached is not None else nan
+    last = int(restoration_last(r[subject:subject + 1, :n], level)[0])
+    trace_block = float(last + 1) if last >= 0 else nan
+    distance = abs(map_block - trace_block)
+    per_position = np.stack([grid.max(0), r[:S - 1, :n].max(1)])
+    cells = np.stack([grid.ravel(), r[:S - 1, :n].T.ravel()])
+    return dict(top_source=float(source) if source is not None else nan,
+                top_from_subject=float(source == subject) if source is not None else nan,
+                top_from_any_subject=float(source in anywhere) if source is not None else nan,
+                subject_peak=peak, any_subject_peak=float(values[:n, anywhere].sum(1).max()),
+                map_block=map_block, trace_block=trace_block, distance=distance,
+                within2=float(distance <= 2) if distance == distance else nan,
+                spearman_positions=float(spearman_rows(per_position[:1], per_position[1:])[0]),
+                spearman_grid=float(spearman_rows(cells[:1], cells[1:])[0]))

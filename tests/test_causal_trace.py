@@ -226,3 +226,50 @@ def test_bad_input():
         kwargs = {"target": target, **kwargs}
         with pytest.raises(ValueError, match=match):
             igc.causal_trace(model, clean, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_atp_states_is_the_derivative_of_a_spliced_rerun(arch):
+    """atp_states(s, L) * gap = d/de p(corrupted run with h_L(s) <- h' + e (h - h')) at e = 0, by
+    central differences through the model's own forward with hooks (float64)."""
+    model = tiny_model(arch, seed=11, dtype=torch.float64)
+    n = len(_blocks(model))
+    gen = torch.Generator().manual_seed(5)
+    clean = torch.randint(0, 97, (1, LENGTH), generator=gen)
+    corrupted = clean.clone()
+    corrupted[0, SUBJECT] = torch.randint(0, 97, (SUBJECT.stop - SUBJECT.start,), generator=gen)
+    target = int(_run(model, clean)[0].argmax())
+    grid = igc.atp_states(model, clean, corrupted, target, min_gap=0.0)
+    assert grid.shape == (LENGTH, n + 1)
+    clean_values, corrupted_values = _record(model, clean, "hidden", 1, n), _record(model, corrupted, "hidden", 1, n)
+    gap = float(_run(model, clean)[0, target] - _run(model, corrupted)[0, target])
+    rng = np.random.default_rng(0)
+    cells = [(s, L) for s in range(LENGTH) for L in range(n + 1)]
+    for s, L in [cells[i] for i in rng.choice(len(cells), size=12, replace=False)] + [(SUBJECT.stop - 1, 1)]:
+        module, is_pre = _hook_points(model, "hidden", L, 1)[0] if L < n + 1 else None
+        base, change = corrupted_values[(L, 0)][s], clean_values[(L, 0)][s] - corrupted_values[(L, 0)][s]
+
+        def probe(eps):
+            def put(hidden):
+                hidden = hidden.clone()
+                hidden[:, s] = base + eps * change
+                return hidden
+            if is_pre:
+                hook = (lambda m, a, k: ((put(a[0]),) + a[1:], k) if a else (a, {**k, "hidden_states": put(k["hidden_states"])}))
+                return float(_run(model, corrupted, pre_hooks=[(module, hook)])[0, target])
+            return float(_run(model, corrupted, hooks=[(module, lambda m, a, o: _with_first(o, put(_first(o))))])[0, target])
+
+        eps = 1e-4
+        derivative = (probe(eps) - probe(-eps)) / (2 * eps)
+        assert abs(grid[s, L].item() * gap - derivative) <= 1e-7 + 1e-5 * abs(derivative), (s, L)
+
+
+def test_atp_states_bad_input():
+    model = tiny_model("llama", seed=1)
+    clean = torch.randint(0, 97, (1, LENGTH))
+    with pytest.raises(ValueError, match="same length"):
+        igc.atp_states(model, clean, clean[:, :-1], 3)
+    with pytest.raises(ValueError, match="target"):
+        igc.atp_states(model, clean, clean, 97)
+    with pytest.raises(ValueError, match="min_gap"):
+        igc.atp_states(model, clean, clean, 3)

@@ -129,3 +129,44 @@ def test_top_positive_skips_parts_tied_with_zero():
         igs.top_positive(np.zeros((2, 3)), 7)
     with pytest.raises(ValueError, match="without NaN"):
         igs.top_positive(np.array([1.0, np.nan]), 1)
+
+
+def test_no_chain_ties_real_differences():
+    """A dense run of distinct values (steps below the tolerance, total far above it) is not one tie:
+    every group spans at most the tolerance, so the ranks follow the values but for steps below it."""
+    rng = np.random.default_rng(7)
+    values = np.sort(rng.standard_cauchy(20_000))  # heavy tails: dense in the middle
+    ranks = igs.tied_ranks(values)
+    tol = float(ig.tie_tolerance(values)[0])
+    # values further apart than the tolerance never share a rank and keep their order
+    order = np.argsort(values)
+    far = np.diff(values[order]) > tol
+    assert (np.diff(ranks[order])[far] > 0).all()
+    # any two values in one group differ by at most the tolerance
+    for rank in np.unique(ranks)[:2000]:
+        members = values[ranks == rank]
+        assert np.ptp(members) <= tol
+    # a top-k set: a part above the tolerance is picked before parts a whole chain below it
+    step = 0.6 * float(ig.tie_tolerance(np.array([0.0, 1.0]))[0])
+    chain = 1.0 - step * np.arange(100)  # steps of 0.6 tol: single linkage ties all 100
+    shares = np.concatenate([np.zeros(5), chain[::-1]])  # the largest last: single linkage picked 5, 6, 7
+    picked = igs.top_parts(shares, 3)
+    assert picked[0] in (103, 104) and (shares[picked] >= 1.0 - 4 * step).all()
+
+
+def test_tie_groups_against_a_plain_loop():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        values = np.sort(rng.normal(size=rng.integers(1, 60)).round(rng.integers(1, 3)))[::-1]
+        tol = float(rng.uniform(0, 0.5))
+        groups, anchor, expected = igs.tie_groups(values, tol), None, []
+        for v in values:
+            if anchor is None or v < anchor - tol:
+                anchor = v
+                expected.append(len(set(expected)))
+            else:
+                expected.append(expected[-1])
+        assert list(groups) == expected
+        limited = igs.tie_groups(values, tol, limit=3)
+        cut = min(len(values), np.searchsorted(np.asarray(expected), expected[min(2, len(values) - 1)], side="right"))
+        assert list(limited[:cut]) == expected[:cut]

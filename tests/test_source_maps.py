@@ -166,6 +166,54 @@ def test_source_route_scores_on_a_constructed_item():
         igs.source_route_scores(parts, r[:, :-1], subject)
 
 
+def test_any_subject_token_counts_a_first_name_route():
+    n, H, S, subject = 4, 2, 8, 4
+    parts = np.zeros((n, H, S))
+    parts[2, 1, 2] = 0.4  # the top route reads the first token of a two-token name (positions 2..4)
+    r = _grid(S, n, subject, last_half=1)
+    last_only = igs.source_route_scores(parts, r, subject)
+    spanned = igs.source_route_scores(parts, r, subject, subject_positions=[2, 3, 4])
+    assert last_only["top_from_subject"] == 0.0 and last_only["top_from_any_subject"] == 0.0
+    assert spanned["top_from_subject"] == 0.0 and spanned["top_from_any_subject"] == 1.0
+    with pytest.raises(ValueError, match="include subject"):
+        igs.source_route_scores(parts, r, subject, subject_positions=[2, 3])
+
+
+def test_state_map_scores_on_a_constructed_item():
+    """Each metric by hand on a (node, position) map built so that every answer is known."""
+    from scipy.stats import spearmanr
+    n, S, subject = 6, 7, 3
+    r = _grid(S, n, subject, last_half=3)  # restoring the subject holds >= 0.5 up to node 3: block 4
+    carried = np.zeros((n + 1, S))
+    carried[:4, subject] = [0.1, 0.5, 0.6, 0.35]  # peak 0.6, half of it last held at node 3: block 4
+    carried[:2, 1] = 0.2  # another subject token (a first name)
+    carried[n, S - 1] = 1.0  # node n: the predicting position only, left out of every metric
+    carried[5, S - 1] = 0.9
+    scores = igs.state_map_scores(carried, r, subject, subject_positions=[1, 2, 3])
+    assert scores["top_source"] == subject and scores["top_from_subject"] == 1.0
+    assert scores["top_from_any_subject"] == 1.0
+    assert scores["subject_peak"] == pytest.approx(0.6) and scores["any_subject_peak"] == pytest.approx(0.7)
+    assert (scores["map_block"], scores["trace_block"], scores["distance"], scores["within2"]) == (4.0, 4.0, 0.0, 1.0)
+    want = spearmanr(carried[:n, :S - 1].ravel(), r[:S - 1, :n].T.ravel()).statistic
+    assert scores["spearman_grid"] == pytest.approx(want, abs=1e-12)
+    want = spearmanr(carried[:n, :S - 1].max(0), r[:S - 1, :n].max(1)).statistic
+    assert scores["spearman_positions"] == pytest.approx(want, abs=1e-12)
+    # the largest cell at a first-name token: from any subject token, not from the last one
+    carried[0, 1] = 0.8
+    moved = igs.state_map_scores(carried, r, subject, subject_positions=[1, 2, 3])
+    assert (moved["top_from_subject"], moved["top_from_any_subject"]) == (0.0, 1.0)
+    # a map whose subject column is 0 names no block
+    carried[:, subject] = 0.0
+    empty = igs.state_map_scores(carried, r, subject)
+    assert np.isnan(empty["map_block"]) and np.isnan(empty["distance"])
+    with pytest.raises(ValueError, match="state_map must be"):
+        igs.state_map_scores(carried[:, :-1], r, subject)
+    with pytest.raises(ValueError, match="finite"):
+        igs.state_map_scores(np.full_like(carried, np.nan), r, subject)
+    with pytest.raises(ValueError, match="subject must be"):
+        igs.state_map_scores(carried, r, S - 1)
+
+
 def test_source_vs_trace_figure_draws_both_grids():
     import matplotlib
     matplotlib.use("Agg")
