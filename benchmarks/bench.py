@@ -32,7 +32,8 @@ Items, in the order of the issue:
 13. causal tracing: the position x node grid of one fact (``causal_trace``) against one spliced
     full forward pass per cell;
 14. Dual Path Attribution's ablation protocol for one fact (10 fractions x 2 modes, batched) against
-    one forward pass per fraction, and IG-Lens's component scores against AtP's (issue 23);
+    one forward pass per fraction, and IG-Lens's component scores, its graph's scores, mask IG's and
+    (where the method is there) DPA's against AtP's on the same items (issues 23, 34);
 15. the whole attribution graph of one answer token (``iglens_graph.attribution_graph``, with and
     without edges) against AtP's forward and backward pass on the same item, short and long prompt,
     with a cProfile split of one call (recording pass, readout, linearised blocks, sweep) (issue 31);
@@ -91,6 +92,7 @@ PASSAGE = ("France is a country in Western Europe. Its territory reaches from th
            "Nantes. Its rivers include the Loire, the Rhone and the Garonne, and its highest mountain is Mont "
            "Blanc in the Alps.")  # a context before the fact prompt, for item 14's long case
 NAIVE_CHUNK = 4096  # rows per chunk of the straightforward reference
+MASK_STEPS = 32  # points of mask IG's gate path in item 14 (notebook 10's default)
 GiB, MiB = 2**30, 2**20
 
 
@@ -1083,8 +1085,26 @@ def item14_dpa(ctx) -> None:
                "ig_lens_m4": lambda: igdpa.dpa_scores(model, ids, target, "ig_lens", steps=4, readout=readout),
                "ig_lens_gauss": lambda: igdpa.dpa_scores(model, ids, target, "ig_lens_gauss", readout=readout),
                "forward": lambda: ig.collect_components(model, full, ids.shape[1], sources=True),
-               "atp": lambda: igdpa.dpa_scores(model, ids, target, "atp")}
+               "atp": lambda: igdpa.dpa_scores(model, ids, target, "atp"),
+               "graph": lambda: igdpa.dpa_scores(model, ids, target, "ig_lens_graph", readout=readout),
+               "mask_ig": lambda: igdpa.dpa_scores(model, ids, target, "mask_ig", mask_steps=MASK_STEPS)}
+        if "dpa" in igdpa.DPA_METHODS:  # DPA itself, where it is there (issue 34)
+            fns["dpa"] = lambda: igdpa.dpa_scores(model, ids, target, "dpa")
         best = best_of(fns, ctx.args.repeats, ctx.device)
+        gap = igdpa.mask_ig(model, ids, target, steps=MASK_STEPS)
+        for name, what in (("graph", "IG-Lens graph scores (attribution_graph with edges: every edge and neuron "
+                                     "at every position, prediction-aware m=16)"),
+                           ("mask_ig", f"mask IG scores (m={MASK_STEPS} forward and backward passes over the gate "
+                                       f"path, batched; completeness gap {gap.gap:.0e} of p(on) - p(off) = "
+                                       f"{gap.f_on - gap.f_off:.3f})"),
+                           ("dpa", "DPA scores")):
+            if name in best:
+                ratio = best[name] / best["atp"]
+                add(f"14. {what}, one item ({ids.shape[1]} tokens) vs AtP (DPA's: forward + backward, every edge "
+                    f"and neuron)", fmt_time(best[name]), fmt_time(best["atp"]), f"{ratio:.2f}x the time", "report", None)
+            else:
+                add(f"14. {what}, one item ({ids.shape[1]} tokens) vs AtP: not measured (method not in "
+                    f"igdpa.DPA_METHODS yet)", "-", fmt_time(best["atp"]), "-", "report", None)
         ratio = best["forward"] / best["atp"]
         add(f"14. floor of IG-Lens's scores ({ids.shape[1]} tokens): its one forward pass alone (collect with "
             f"sources, eager attention; no readout) vs AtP", fmt_time(best["forward"]), fmt_time(best["atp"]),

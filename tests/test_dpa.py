@@ -1,7 +1,10 @@
-"""Dual Path Attribution's ablation protocol (issue 23): the batched ablation against a by-hand
+"""Dual Path Attribution's ablation protocol (issues 23, 34): the batched ablation against a by-hand
 reference (one unbatched forward per fraction, the post-softmax weights zeroed at the softmax and
-the activations at the MLP's act_fn, as the original's nnsight code does), the methods' scores
-against finite differences, eager attention's own weights and IG-Lens's head shares."""
+the activations at the MLP's act_fn, as the original's nnsight code does), the BOS and the kinds a
+method leaves out against the original's rule written out (lowest score, not counted in N), the
+context against the original's offset rule, the methods' scores against finite differences, eager
+attention's own weights, the activation function's output and IG-Lens's head shares (the graph and
+mask IG: tests/test_dpa_methods.py)."""
 import math
 from contextlib import contextmanager
 
@@ -115,26 +118,117 @@ def test_ablation_matches_zeroing_by_hand(case, mode):
     np.testing.assert_allclose(single, ours, rtol=0, atol=1e-9)
 
 
-def test_missing_scores_are_zero(case):
+def original_drops(model, ids, target, edges, neurons, mode, fractions, context=None):
+    """The original's rule written out (ablation_pipe.py, utils.py ComponentCollator), for scores with
+    no ties: a kind given as None is not concatenated; components outside the context get the lowest
+    score (-inf here, bfloat16's min there); N counts the context only; recover zeroes the rest of
+    the context only. One unbatched forward per fraction through the by-hand hooks."""
+    n, S = len(blocks(model)), ids.shape[1]
+    context = torch.ones(S, dtype=torch.bool) if context is None else torch.as_tensor(context)
+    kinds = [(edges, (context[:, None] & context[None, :]).expand(n, HEADS, S, S)),
+             (neurons, context[:, None].expand(n, S, D_FF))]
+    flat = torch.cat([torch.where(inside, value, -math.inf).flatten() for value, inside in kinds if value is not None])
+    inside = torch.cat([inside.flatten() for value, inside in kinds if value is not None])
+    order = torch.argsort(flat, descending=True)
+    N = int(inside.sum())
+    p_base = prob_by_hand(model, ids, target)
+    drops = []
+    for x in fractions:
+        top = torch.zeros(flat.numel(), dtype=torch.bool)
+        top[order[:math.ceil(N * x)]] = True
+        zero = top if mode == "disrupt" else ~top & inside
+        keep, at, gates = (~zero).double(), 0, {}
+        for name, (value, _), shape in (("edges", kinds[0], (n, 1, HEADS, S, S)), ("neurons", kinds[1], (n, 1, S, D_FF))):
+            if value is not None:
+                gates[name] = keep[at:at + value.numel()].view(shape)
+                at += value.numel()
+        drops.append((p_base - prob_by_hand(model, ids, target, **gates)) / p_base * 100)
+    return np.array(drops)
+
+
+@pytest.mark.parametrize("mode", igdpa.DPA_MODES)
+def test_bos_and_left_out_kinds_as_the_original(case, mode):
+    """The BOS (context False) and a kind given as None: never zeroed in disrupt, always kept in
+    recover, not counted in N (the original's rule, written out independently)."""
     arch, model, ids, target = case
-    edges, neurons = random_scores(model, ids, seed=8)
+    S = ids.shape[1]
+    edges, neurons = random_scores(model, ids, seed=9)
+    fractions = list(igdpa.DPA_FRACTIONS) + [0.3, 1.0]
+    bos = np.ones(S, bool)
+    bos[0] = False
+    two = bos.copy()
+    two[[0, 4]] = False  # any positions, as the original's mask allows
+    for context in (bos, two):
+        for given in ({"edges": edges, "neurons": neurons}, {"edges": edges}, {"edges": None, "neurons": neurons}):
+            ours = igdpa.dpa_ablation(model, ids, target, given, mode=mode, fractions=fractions, context=context)
+            reference = original_drops(model, ids, target, given.get("edges"), given.get("neurons"), mode,
+                                       fractions, context=context)
+            np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-8)
+    # the rule matters: with the BOS counted and ranked the drops differ
+    everything = igdpa.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
+                                    fractions=fractions)
+    bos_out = igdpa.dpa_ablation(model, ids, target, {"edges": edges, "neurons": neurons}, mode=mode,
+                                 fractions=fractions, context=bos)
+    assert np.abs(everything - bos_out).max() > 1e-3
+    if mode == "recover":  # x = 1: the whole context kept, nothing zeroed
+        assert abs(bos_out[-1]) < 1e-9
+
+
+def test_left_out_kinds_and_ties(case):
+    """Everything scored 0 among the edges, the neurons left out: with ties="index" the flat order is
+    kept, with ties="random" the seed's permutation over the ranked components decides."""
+    arch, model, ids, target = case
+    edges, _ = random_scores(model, ids, seed=8)
     fractions = [1e-3, 0.05, 0.3]
-    only_edges = igdpa.dpa_ablation(model, ids, target, {"edges": edges}, fractions=fractions)
-    reference = reference_drops(model, ids, target, edges, torch.zeros_like(neurons), "disrupt", fractions)
-    np.testing.assert_allclose(only_edges, reference, rtol=0, atol=1e-8)
-    # everything scored 0: with ties="index" the flat order is kept (edges first) and disrupt zeroes
-    # the first ones; with ties="random" the seed's permutation decides
-    N = edges.numel() + neurons.numel()
+    N = edges.numel()
     for ties, seed, rank in (("index", 0, np.arange(N)), ("random", 3, np.random.default_rng(3).permutation(N))):
-        tied = igdpa.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, ties=ties, seed=seed)
-        ordered = torch.from_numpy(N - rank.astype(np.float64))  # higher score = earlier in the order
-        by_score = igdpa.dpa_ablation(model, ids, target, {"edges": ordered[:edges.numel()].view_as(edges),
-                                                         "neurons": ordered[edges.numel():].view_as(neurons)},
-                                    fractions=fractions, ties=ties, seed=seed)
-        np.testing.assert_allclose(tied, by_score, rtol=0, atol=1e-12)
-    random_ties = igdpa.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions, seed=3)
-    assert np.abs(random_ties - igdpa.dpa_ablation(model, ids, target, {"neurons": None}, fractions=fractions,
-                                                 ties="index")).max() > 1e-6  # the tie rule matters here
+        tied = igdpa.dpa_ablation(model, ids, target, {"edges": torch.zeros_like(edges), "neurons": None},
+                                  fractions=fractions, ties=ties, seed=seed)
+        ordered = torch.from_numpy(N - rank.astype(np.float64)).view_as(edges)  # higher score = earlier
+        np.testing.assert_allclose(tied, original_drops(model, ids, target, ordered, None, "disrupt", fractions),
+                                   rtol=0, atol=1e-8)
+    random_ties = igdpa.dpa_ablation(model, ids, target, {"edges": torch.zeros_like(edges)}, fractions=fractions, seed=3)
+    assert np.abs(random_ties - igdpa.dpa_ablation(model, ids, target, {"edges": torch.zeros_like(edges)},
+                                                   fractions=fractions, ties="index")).max() > 1e-6
+
+
+def word_tokenizer(template):
+    """A word-level fast tokenizer built offline; ``template`` its single-sequence post-processor
+    (e.g. "<bos> $A"), None for a tokenizer that adds nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = ["<pad>", "<bos>", "<eos>", "the", "capital", "of", "france", "is", "paris", "a", "city"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if template is not None:
+        tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<bos>", 1), ("<eos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def original_context(tokenizer, text):
+    """attribution_pipe.py's DataHandler.collate_fn on utils.py's collate_known, written out."""
+    prompt = tokenizer.decode(tokenizer.encode(text, add_special_tokens=True))
+    encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    start = prompt.find(text)
+    end = start + len(text)
+    offsets = encoded["offset_mapping"]
+    first = next(k for k, (_, e) in enumerate(offsets) if e > start)
+    last = next(k + 1 for k, (_, e) in enumerate(offsets) if e >= end - 1)
+    return encoded["input_ids"], np.array([first <= k < last for k in range(len(offsets))])
+
+
+@pytest.mark.parametrize("template", ["<bos> $A", None, "<bos> $A <eos>"])
+def test_context_as_the_original_decides(template):
+    tokenizer = word_tokenizer(template)
+    for text in ("the capital of france is", "paris is a city of france"):
+        ids, reference = original_context(tokenizer, text)
+        assert ids == tokenizer(text)["input_ids"]
+        context = igdpa.dpa_context(tokenizer, torch.tensor([ids]))
+        np.testing.assert_array_equal(context, reference)
+        assert context.sum() == len(text.split())  # the BOS (and EOS) out, every word in
+    # ids encoded without the BOS: every position is context
+    plain = tokenizer("the capital of france is", add_special_tokens=False)["input_ids"]
+    assert igdpa.dpa_context(tokenizer, plain).all()
 
 
 @pytest.mark.parametrize("ties", ["index", "random"])
@@ -202,8 +296,8 @@ def test_atp_against_autograd_and_finite_differences(case):
     central difference for a few entries (coarse: transformers runs the eager softmax in float32)."""
     arch, model, ids, target = case
     n, S = len(blocks(model)), ids.shape[1]
-    atp = igdpa.dpa_scores(model, ids, target, "atp")
-    logit = igdpa.dpa_scores(model, ids, target, "grad_x_act")
+    atp = igdpa.dpa_scores(model, ids, target, "atp_prob")  # AtP on p(y)
+    logit = igdpa.dpa_scores(model, ids, target, "atp")  # DPA's AtP: on the target logit
     weights = igdpa.dpa_scores(model, ids, target, "activation")["edges"]
     add = torch.zeros(n, 1, HEADS, S, S, dtype=torch.float64, requires_grad=True)
     gate = torch.ones(n, 1, S, D_FF, dtype=torch.float64, requires_grad=True)
@@ -224,8 +318,12 @@ def test_atp_against_autograd_and_finite_differences(case):
             probs.append(prob_by_hand(model, ids, target, edge_add=shift))
         assert math.isclose(float(atp["edges"][layer, head, query, key]), (probs[0] - probs[1]) / (2 * step),
                             rel_tol=2e-2)
+    # the earlier names give the same scores
+    for old, new in (("grad_x_act", logit), ("atp_last", igdpa.dpa_scores(model, ids, target, "atp_prob_last"))):
+        scores = igdpa.dpa_scores(model, ids, target, old)
+        torch.testing.assert_close(scores["edges"], new["edges"], rtol=0, atol=0)
     # the control: AtP on the last query row and position only
-    last = igdpa.dpa_scores(model, ids, target, "atp_last")
+    last = igdpa.dpa_scores(model, ids, target, "atp_prob_last")
     torch.testing.assert_close(last["edges"][:, :, -1], atp["edges"][:, :, -1], rtol=0, atol=0)
     torch.testing.assert_close(last["neurons"][:, -1], atp["neurons"][:, -1], rtol=0, atol=0)
     assert float(last["edges"][:, :, :-1].abs().max()) == 0 and float(last["neurons"][:, :-1].abs().max()) == 0
@@ -246,6 +344,25 @@ def test_activation_scores_are_the_models_own(case):
     torch.testing.assert_close(scores["edges"], torch.cat(attentions), rtol=0, atol=1e-7)  # float32 softmax
     torch.testing.assert_close(scores["neurons"], torch.stack([acts[i] for i in range(len(acts))]).abs(),
                                rtol=1e-6, atol=1e-7)  # downstream of the float32 softmax
+
+
+def test_split_activation_baselines(case):
+    """attn_act: the attention weights alone; mlp_act: the activation function's output alone, signed
+    (the original's ``mlp.act_fn.output``), read here by a hook found by name."""
+    arch, model, ids, target = case
+    attn, mlp = (igdpa.dpa_scores(model, ids, target, method) for method in ("attn_act", "mlp_act"))
+    assert attn["neurons"] is None and mlp["edges"] is None
+    torch.testing.assert_close(attn["edges"], igdpa.dpa_scores(model, ids, target, "activation")["edges"],
+                               rtol=0, atol=0)
+    outputs = {}
+    hooks = [block.mlp.act_fn.register_forward_hook(lambda mod, args, out, layer=layer: outputs.__setitem__(layer, out[0]))
+             for layer, block in enumerate(blocks(model))]
+    model(ids)
+    for hook in hooks:
+        hook.remove()
+    expected = torch.stack([outputs[i] for i in range(len(outputs))])
+    assert float(expected.min()) < 0  # signed, not |a|
+    torch.testing.assert_close(mlp["neurons"], expected, rtol=1e-6, atol=1e-7)  # eager vs sdpa attention before it
 
 
 def test_ig_lens_edges_add_up_to_head_shares(case):
@@ -305,6 +422,12 @@ def test_bad_input(case):
         igdpa.dpa_scores(model, ids, target, "magic")
     with pytest.raises(ValueError, match="subset must be an integer >= 1, got 0"):
         igdpa.dpa_scores(model, ids, target, "exhaustive", subset=0)
+    with pytest.raises(ValueError, match="nothing to rank"):
+        igdpa.dpa_ablation(model, ids, target, {"edges": None, "neurons": None})
+    with pytest.raises(ValueError, match=r"context must be None or \(9,\) booleans .*int64 of shape \(9,\)"):
+        igdpa.dpa_ablation(model, ids, target, {"edges": torch.zeros(3, 4, 9, 9)}, context=np.ones(9, int))
+    with pytest.raises(ValueError, match=r"context must be .*none True"):
+        igdpa.dpa_scores(model, ids, target, "exhaustive", context=np.zeros(9, bool))
     with pytest.raises(ValueError, match=r"disrupt drops must have shape \(items, 10\), got \(1, 3\)"):
         igdpa.dpa_areas(np.zeros(3), np.zeros(10))
     with pytest.raises(ValueError, match="scale"):
