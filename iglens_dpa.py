@@ -8,30 +8,30 @@ position. One machinery serves the ablation and the gradient methods: multiplica
 post-softmax attention weights and on the down projection's input (1 = as the model computes it,
 0 = zeroed; d p / d gate = activation x gradient; gates in between scale a component).
 
-Imports :mod:`iglens_core`, :mod:`iglens_baselines` and :mod:`iglens_graph` and holds, in reading
+Imports :mod:`iglens_core`, :mod:`iglens_baselines`, :mod:`iglens_graph` and :mod:`iglens_dpa_method` and holds, in reading
 order: the protocol (``dpa_context``, ``dpa_order``, ``dpa_ablation``, ``dpa_areas``, ``dpa_kept``),
 integrated gradients over the component gates (``mask_ig``, ``mask_ig_gaps``) and the methods'
 scores for the same items (``dpa_scores``: IG-Lens, its graph, mask IG, AtP on the logit and on p,
-the activations, random, exhaustive).
+the activations, random, exhaustive, and DPA itself from :mod:`iglens_dpa_method`, which also
+holds the gated run of the model that the protocol and the gradient methods use).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-from contextlib import contextmanager
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, check_quantity, check_sequence, collect_components,
-                         components, eager_attention, get_adapter, head_counts, logits_at_end, plain_number,
-                         projection_weight, quadrature, sublayer_module, sublayer_projection)
+from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, check_quantity, collect_components, components,
+                         get_adapter, head_counts, logits_at_end, plain_number, projection_weight, quadrature,
+                         sublayer_module, sublayer_projection)
 from iglens_baselines import frozen_parameters
 from iglens_graph import attribution_graph
+from iglens_dpa_method import dpa_attribution, dpa_item, gated_run
 
 
 # A peer's benchmark (DPA, arXiv 2603.19742, lab-paper-code/dual_path_attribution,
@@ -47,7 +47,7 @@ DPA_FRACTIONS = tuple(math.exp(-17.0 + 1.8 * i) for i in range(10))  # exp(-17),
 # the curves' fixed end points in the original's plot_ablation_results.ipynb (x, y)
 DPA_ANCHORS = {"disrupt": ((1e-10, 100.0),), "recover": ((1e-6, 0.0), (1.0, 100.0))}
 DPA_METHODS = ("ig_lens", "ig_lens_gauss", "ig_lens_graph", "mask_ig", "atp", "atp_prob", "atp_prob_last",
-               "attn_act", "mlp_act", "random", "exhaustive")
+               "attn_act", "mlp_act", "random", "exhaustive", "dpa")
 # earlier names, still accepted: "grad_x_act" was DPA's AtP (now "atp"), "atp_last" AtP on p at the last
 # position (now "atp_prob_last"); "activation" ranks attn_act's and |down projection input| together
 DPA_ALIASES = {"grad_x_act": "atp", "atp_last": "atp_prob_last"}
@@ -59,112 +59,6 @@ def dpa_layout(model) -> tuple[int, int, int]:
     adapter = get_adapter(model)
     d_ff = projection_weight(sublayer_projection(adapter.blocks[0], "mlp")[0])[0].shape[1]
     return adapter.n_layers, head_counts(model)[0], int(d_ff)
-
-
-@contextmanager
-def _gates(model, edges=None, neurons=None, record: Optional[dict] = None):
-    """Run the model with gated attention weights and MLP activations (eager attention).
-
-    For the duration, block L's post-softmax attention weights ``A`` (B, H, S, S) become
-    ``A * edges[L]`` (no renormalisation; the heads' outputs are recomputed as ``(A * gate) @ v``,
-    values of the shared key/value head under GQA), and its down projection's input ``act``
-    (B, S, d_ff) (the gated unit ``act_fn(gate) * up``, GPT-2's ``act_fn`` output) becomes
-    ``act * neurons[L]``; a None entry (or list) leaves that block as it is.
-
-    Route: the core's :func:`iglens_core.eager_attention` switches the model to its eager
-    attention, and the modeling module's ``eager_attention_forward`` (what transformers 5.x
-    attention modules call for ``"eager"``; looked up at call time) is wrapped for the duration.
-    The wrapper checks that the weights rebuild the eager output (``A @ v``) and that every gated
-    block was reached; else a ValueError names the architecture.
-
-    Args:
-        edges, neurons: per block, a gate broadcastable to (B, H, S, S) / (B, S, d_ff), or None.
-        record: if a dict, gets ``"weights"`` and ``"acts"``: per block the ungated tensors.
-    """
-    adapter = get_adapter(model)
-    n = adapter.n_layers
-    edges, neurons = edges or [None] * n, neurons or [None] * n
-    attentions = [sublayer_module(block, "attn") for block in adapter.blocks]
-    index = {id(module): layer for layer, module in enumerate(attentions)}
-    reached = set()
-    if record is not None:
-        record.update(weights=[None] * n, acts=[None] * n)
-
-    def gate_neurons(layer):
-        def hook(module, args):
-            if record is not None:
-                record["acts"][layer] = args[0]
-            if neurons[layer] is None:
-                return None
-            return (args[0] * neurons[layer].to(args[0]),) + tuple(args[1:])
-        return hook
-
-    def wrap(original):
-        def eager(module, query, key, value, attention_mask, *args, **kwargs):
-            out, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
-            layer = index.get(id(module))
-            if layer is None:
-                return out, weights
-            reached.add(layer)
-            if record is not None:
-                record["weights"][layer] = weights
-            if edges[layer] is None:
-                return out, weights
-            values = value[:, torch.arange(weights.shape[1], device=value.device)
-                           // (weights.shape[1] // value.shape[1])]  # (B, H, S, hd) repeat_kv
-            with torch.no_grad():
-                rebuilt = torch.matmul(weights, values).transpose(1, 2)
-                same = torch.allclose(rebuilt, out, rtol=1e-3, atol=1e-4 * float(out.abs().max()) + 1e-6)
-            if not same:
-                raise ValueError(f"{type(module).__name__}: the eager attention output is not A @ v; "
-                                 "its weights cannot be gated here (an unsupported architecture?)")
-            weights = weights * edges[layer].to(weights)
-            return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
-        return eager
-
-    patched, hooks = [], []
-    try:
-        if any(gate is not None for gate in edges) or record is not None:
-            for name in {type(module).__module__ for module in attentions}:
-                modeling = sys.modules[name]
-                original = getattr(modeling, "eager_attention_forward", None)
-                if original is None:
-                    raise ValueError(f"{name} has no eager_attention_forward: attention weights cannot be "
-                                     "gated for this architecture")
-                setattr(modeling, "eager_attention_forward", wrap(original))
-                patched.append((modeling, original))
-        for layer, block in enumerate(adapter.blocks):
-            if neurons[layer] is not None or record is not None:
-                hooks.append(sublayer_projection(block, "mlp")[0].register_forward_pre_hook(gate_neurons(layer)))
-        with eager_attention(model):
-            yield
-        missing = [layer + 1 for layer in range(n) if (edges[layer] is not None or record is not None)
-                   and layer not in reached]
-        if missing:
-            raise ValueError(f"the attention of blocks {missing[:5]} never called eager_attention_forward: "
-                             "attention weights cannot be gated for this architecture")
-    finally:
-        for modeling, original in patched:
-            setattr(modeling, "eager_attention_forward", original)
-        for hook in hooks:
-            hook.remove()
-
-
-def _dpa_item(model, input_ids, target) -> tuple[torch.Tensor, int]:
-    """Validate one item: ``(input_ids (1, S) long on the model's device, target)``; the model in eval
-    mode, the ids within its vocabulary and context (:func:`iglens_core.check_sequence`)."""
-    ids, target = torch.as_tensor(input_ids), plain_number(target)
-    ids = ids[None] if ids.dim() == 1 else ids
-    vocab = model.get_input_embeddings().num_embeddings
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype.is_floating_point:
-        raise ValueError(f"input_ids must be (1, S) integer token ids with S >= 1, got shape "
-                         f"{tuple(ids.shape)} and dtype {ids.dtype}")
-    if not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
-        raise ValueError(f"token ids must lie in 0..{vocab - 1} (the model's vocabulary), got "
-                         f"{ids[(ids < 0) | (ids >= vocab)].unique()[:5].tolist()}")
-    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < vocab:
-        raise ValueError(f"target must be a token id in 0..{vocab - 1}, got {target!r}")
-    return check_sequence(model, ids, None).long().to(next(model.parameters()).device), int(target)
 
 
 def _check_budget(memory_budget) -> None:
@@ -319,7 +213,7 @@ def _zeroed_probs(model, ids: torch.Tensor, target: int, zero: np.ndarray, layou
         neurons = rows[:, edges_at:].view(-1, n, S, d_ff)
         edge_gates = [None if bool(edges[:, layer].all()) else edges[:, layer].to(ids.device) for layer in range(n)]
         neuron_gates = [None if bool(neurons[:, layer].all()) else neurons[:, layer].to(ids.device) for layer in range(n)]
-        with _gates(model, edge_gates, neuron_gates):
+        with gated_run(model, edge_gates, neuron_gates):
             logits = logits_at_end(model, 1, input_ids=ids.expand(len(rows), -1))[:, -1]
         out.append(torch.softmax(logits.double(), -1)[:, target].cpu())
     return torch.cat(out)
@@ -389,7 +283,7 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
                                    or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     _check_budget(memory_budget)
-    ids, target = _dpa_item(model, input_ids, target)
+    ids, target = dpa_item(model, input_ids, target)
     layout = dpa_layout(model)
     flat, ranked = _dpa_flat_scores(scores, layout[0], layout[1], ids.shape[1], layout[2],
                                     _check_context(context, ids.shape[1]))
@@ -503,7 +397,7 @@ def _mask_ig(model, ids: torch.Tensor, target: int, steps: int, quantity: str, c
                  for _ in range(n)]
         neurons = [torch.where(vary_neurons, level[:, 0], 1.0).expand(B, S, d_ff).clone().requires_grad_(True)
                    for _ in range(n)]
-        with torch.enable_grad(), frozen_parameters(model), _gates(model, edges, neurons):
+        with torch.enable_grad(), frozen_parameters(model), gated_run(model, edges, neurons):
             values = _target_values(logits_at_end(model, 1, input_ids=ids.expand(B, -1))[:, -1], target, quantity)
             grads = torch.autograd.grad(values.sum(), edges + neurons)  # rows are independent
         rows = weight[start:start + batch]
@@ -514,7 +408,7 @@ def _mask_ig(model, ids: torch.Tensor, target: int, steps: int, quantity: str, c
     off = ([(~vary_edges).to(param.dtype)[None, None]] * n, [(~vary_neurons).to(param.dtype)[None]] * n)
     f_ends = []
     for gates in (([None] * n, [None] * n), off):  # eager attention in both, as along the path
-        with torch.no_grad(), _gates(model, *gates):
+        with torch.no_grad(), gated_run(model, *gates):
             f_ends.append(float(_target_values(logits_at_end(model, 1, input_ids=ids)[:, -1], target, quantity)[0]))
     f_on, f_off = f_ends
     total = float(scores["edges"].sum() + scores["neurons"].sum())
@@ -540,7 +434,7 @@ def mask_ig(model, input_ids, target: int, *, steps: int = 32, quantity: str = "
     """Total effect of every edge and neuron by integrated gradients over the component gates.
 
     The EAP-IG family (MIB's circuit track) on :func:`dpa_ablation`'s components: every edge gate
-    and every neuron gate (:func:`_gates`: a post-softmax attention weight, a down projection's
+    and every neuron gate (:func:`iglens_dpa_method.gated_run`: a post-softmax attention weight, a down projection's
     input, each times its gate) is scaled together by t from 0 (all zeroed) to 1 (the model as it
     is), and each gate's gradient of f is integrated along that path, times (1 - 0):
     ``score_i = int_0^1 d f / d g_i (t) dt``. By the gradient theorem the scores add up to
@@ -561,7 +455,7 @@ def mask_ig(model, input_ids, target: int, *, steps: int = 32, quantity: str = "
         :class:`MaskIG`.
     """
     steps = _check_mask_args(steps, quantity, batch_size, memory_budget)
-    ids, target = _dpa_item(model, input_ids, target)
+    ids, target = dpa_item(model, input_ids, target)
     return _mask_ig(model, ids, target, steps, quantity, _check_context(context, ids.shape[1]), batch_size,
                     memory_budget)
 
@@ -584,7 +478,7 @@ def _empty_scores(n: int, H: int, S: int, d_ff: int) -> dict:
 def _gate_gradients(model, ids: torch.Tensor, target: int, quantity: str) -> tuple[dict, dict]:
     """Activation x gradient of every edge and neuron, from one forward and one backward pass.
 
-    With unit gates ``g`` on the attention weights and activations (:func:`_gates`),
+    With unit gates ``g`` on the attention weights and activations (:func:`iglens_dpa_method.gated_run`),
     ``d f / d g = a * d f / d a`` for each component's activation a: exactly the zero-baseline
     attribution patching estimate of removing it (with the sign flipped: positive = it helps f).
 
@@ -602,7 +496,7 @@ def _gate_gradients(model, ids: torch.Tensor, target: int, quantity: str) -> tup
     edges = [torch.ones(1, H, S, S, dtype=param.dtype, device=ids.device, requires_grad=True) for _ in range(n)]
     neurons = [torch.ones(1, S, d_ff, dtype=param.dtype, device=ids.device, requires_grad=True) for _ in range(n)]
     record: dict = {}
-    with torch.enable_grad(), frozen_parameters(model), _gates(model, edges, neurons, record):
+    with torch.enable_grad(), frozen_parameters(model), gated_run(model, edges, neurons, record):
         logits = logits_at_end(model, 1, input_ids=ids)[:, -1]
         grads = torch.autograd.grad(_target_values(logits, target, quantity)[0], edges + neurons)
     scores = {"edges": torch.cat(grads[:n]).double().cpu(), "neurons": torch.cat(grads[n:]).double().cpu()}
@@ -703,6 +597,8 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
       ``act(gate)`` of a gated MLP; ``"edges"`` None). ``"activation"`` (not in DPA_METHODS): the
       attention weights and ``|down projection input|`` in one ranking.
     - ``"random"``: standard normal draws (``seed``).
+    - ``"dpa"``: Dual Path Attribution as the original runs it (:func:`dpa_attribution`, its default
+      weights), on the target logit, every edge and neuron at every position.
     - ``"exhaustive"``: the drop ``p_base - p`` when one component alone is zeroed, for ``subset``
       components drawn (``seed``) from the edges at or below the diagonal and the neurons in the
       ``context``; the rest score 0. A reference ceiling on that subset only; ``subset + 1`` rows.
@@ -725,7 +621,7 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     check_quantity(quantity)
     mask_steps = _check_mask_args(mask_steps, quantity, batch_size, memory_budget)
-    ids, target = _dpa_item(model, input_ids, target)
+    ids, target = dpa_item(model, input_ids, target)
     n, H, d_ff = dpa_layout(model)
     S = ids.shape[1]
     context = _check_context(context, S)
@@ -738,6 +634,8 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
         return {"edges": graph.edges[:, :, :S, :S].double().cpu(), "neurons": graph.neurons[:, :S].double().cpu()}
     if method == "mask_ig":
         return _mask_ig(model, ids, target, mask_steps, quantity, context, batch_size, memory_budget).scores
+    if method == "dpa":
+        return {key: value for key, value in dpa_attribution(model, ids, target).items() if key in ("edges", "neurons")}
     if method == "random":
         rng = np.random.default_rng(seed)
         return {"edges": torch.from_numpy(rng.standard_normal((n, H, S, S))),
@@ -748,7 +646,7 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
         return {"edges": None, "neurons": _act_fn_outputs(model, ids)}
     if method in ("attn_act", "activation"):
         record: dict = {}
-        with _gates(model, record=record):
+        with gated_run(model, record=record):
             model(ids, use_cache=False)
         return {"edges": torch.cat(record["weights"]).double().cpu(),
                 "neurons": torch.cat(record["acts"]).double().abs().cpu() if method == "activation" else None}
@@ -765,7 +663,7 @@ def dpa_kept(model, tokenizer, input_ids, target: int, *, min_prob: float = 0.1)
     min_prob = plain_number(min_prob)
     if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
         raise ValueError(f"min_prob must be a probability in [0, 1), got {min_prob!r}")
-    ids, target = _dpa_item(model, input_ids, target)
+    ids, target = dpa_item(model, input_ids, target)
     with torch.no_grad():
         probs = torch.softmax(logits_at_end(model, 1, input_ids=ids)[0, -1].double(), -1)
     p = float(probs[target])

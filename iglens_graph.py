@@ -31,8 +31,8 @@ norm to ``mid_M(s)``, plus the residual ``cot_M(s)``; the cotangent on the atten
 Node to node: :meth:`Graph.adjacency` seeds the same sweep with one node's own cotangent, which
 splits that node's share exactly over every node upstream of it, the embeddings and the constants.
 
-No credit flows through queries and keys: the patterns are fixed (as in circuit-tracer, DPA and
-DePass). Unlike them, this is in probability, needs no transcoder and has no error node.
+No credit flows through queries and keys: the patterns are fixed (as in circuit-tracer and DePass;
+DPA sends part of its credit through them: ``iglens_dpa.dpa_attribution``). Unlike them, this is in probability, needs no transcoder and has no error node.
 
 Identities (tests/test_graph.py): for every node L,
 ``readable[L] + carried[L].sum() + constants_above[L] == delta``; the leaves (embeddings and
@@ -473,8 +473,8 @@ class _Block:
     path integral from 0. Holds what the sweep reads (S positions, float64) and its four backward maps,
     each returning the credit of the constants it passes."""
 
-    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int):
-        where = f"block {layer + 1}"
+    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int, path: bool = True):
+        where = f"block {layer + 1}"  # path=False: a gated MLP's a, b are left to the caller (DPA)
         x, mid, out = store[("h", layer)], store[("norm2", layer), "in"], store[("h", layer + 1)]  # (S, d)
         S, d = x.shape
         # ---- the MLP, frozen at its recorded input
@@ -487,9 +487,9 @@ class _Block:
                 self.W_g, self.W_u = _weights(part["mlp"].gate_up_proj)[0].chunk(2, 0)  # (d_ff, d) each
             else:
                 self.W_g, self.W_u = _weights(part["mlp"].gate_proj)[0], _weights(part["mlp"].up_proj)[0]
-            g, self.u = z @ self.W_g.T, z @ self.W_u.T  # (S, d_ff)
-            self.a, self.b, self.defect = path_coefficients(act, g)
-            self.m = act(g) * self.u  # (S, d_ff) neuron outputs
+            self.g, self.u = z @ self.W_g.T, z @ self.W_u.T  # (S, d_ff) gate and up pre-activations
+            self.a, self.b, self.defect = path_coefficients(act, self.g) if path else (None, None, 0.0)
+            self.m = act(self.g) * self.u  # (S, d_ff) neuron outputs
         else:
             self.W_1, b_1 = _weights(part["mlp"].c_fc)  # (d_ff, d), (d_ff,)
             b_1 = b_1 if b_1 is not None else torch.zeros(self.W_1.shape[0], dtype=torch.float64)
@@ -672,3 +672,7 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
     if maps:
         graph._maps = (blocks, cotangents[::-1], h[0])
     return graph
+
+
+# public names of the frozen pass, for the methods that reuse it (iglens_dpa.dpa_attribution)
+LinearBlock, block_parts, record_pass, freeze_norm = _Block, _block_parts, _record, _freeze_norm
