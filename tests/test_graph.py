@@ -466,3 +466,107 @@ def test_adjacency_matches_autograd(arch):
     for l in range(n - 1):
         assert torch.allclose(upstream[l], per_head[l], rtol=0, atol=1e-10 * scale), l
     assert upstream.abs().max() > 1e-3 * scale
+
+
+def autograd_direct_credit(model, ids, token, gbar, kept_heads, kept_neurons):
+    """Through ``model`` (a frozen copy), F = sum_M <gbar_M, Delta_M(t)> as in :func:`autograd_credit`,
+    with the outputs of the kept heads {block: [(position, head)]} and neurons {block: [(position,
+    neuron)]} detached from what feeds them, so that no path runs through one of them to below: the
+    credit read at each kept output is its direct link to F. Returns per block (head outputs (S, H, hd),
+    their gradients), (neuron outputs (S, d_ff), gradients), and (h_0, its gradient)."""
+    n, t = len(blocks(model)), PROMPT - 1 + token
+    states, mids, heads, neurons = {}, {}, {}, {}
+    H = model.config.num_attention_heads
+
+    def cut(store, layer, slots, split):
+        """The MLP of the frozen copy runs its down projection twice: on the path points (m, 1, S, d_ff),
+        where the paths are cut and the gradient read (summed over the points), then on the input."""
+        def hook(module, args):
+            x = args[0]
+            if x.dim() == 3 and not split:  # the neurons' actual outputs
+                store[layer, "value"] = x.detach()
+                return None
+            mask = torch.zeros_like(x, dtype=torch.bool)
+            for position, index in slots.get(layer, []):
+                if split:  # (1, S, H * hd): one head's slice
+                    mask.view(1, x.shape[1], H, -1)[0, position, index] = True
+                else:  # (m, 1, S, d_ff)
+                    mask[..., position, index] = True
+            x = torch.where(mask, x.detach(), x)
+            x.retain_grad()
+            store[layer] = x
+            return (x,) + tuple(args[1:])
+        return hook
+
+    def keep(store, key, tensor):
+        tensor.retain_grad()
+        store[key] = tensor
+
+    hooks = []
+    for layer, block in enumerate(blocks(model)):
+        hooks.append(block.register_forward_pre_hook(
+            lambda m, args, kwargs, layer=layer: keep(states, layer, ig.hidden_arg(args, kwargs)), with_kwargs=True))
+        norm2 = getattr(block, "ln_2", None) or getattr(block, "pre_feedforward_layernorm", None) \
+            or block.post_attention_layernorm
+        hooks.append(norm2.register_forward_pre_hook(lambda m, args, layer=layer: keep(mids, layer, args[0])))
+        attn_proj = block.attn.c_proj if hasattr(block, "attn") else block.self_attn.o_proj
+        mlp_proj = block.mlp.c_proj if hasattr(block, "attn") else block.mlp.down_proj
+        hooks.append(attn_proj.register_forward_pre_hook(cut(heads, layer, kept_heads, True)))
+        hooks.append(mlp_proj.register_forward_pre_hook(cut(neurons, layer, kept_neurons, False)))
+    hooks.append(blocks(model)[-1].register_forward_hook(lambda m, args, out: keep(states, n, ig.first_output(out))))
+    with torch.enable_grad():
+        model(input_ids=ids, use_cache=False)
+        total = sum(gbar[l, 0] @ (mids[l][0, t] - states[l][0, t]) + gbar[l, 1] @ (states[l + 1][0, t] - mids[l][0, t])
+                    for l in range(n))
+        total.backward()
+    for hook in hooks:
+        hook.remove()
+    S = ids.shape[1]
+    return ({l: (heads[l][0].detach().view(S, H, -1), heads[l].grad[0].view(S, H, -1)) for l in range(n)},
+            {l: (neurons[l, "value"][0], neurons[l].grad.sum(0)[0]) for l in range(n)},
+            (states[0][0].detach(), states[0].grad[0]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_direct_adjacency_matches_autograd(arch):
+    """``adjacency(direct=True)`` with the logit node: the links into the logit are the credit that
+    reaches each kept node, its embeddings the credit that reaches h_0, when autograd runs through the
+    frozen copy with every kept node's output cut from what feeds it; with every embedding kept, each
+    node's incoming links and constants add up to its share (the logit's: delta); without ``direct``
+    the logit's links are the nodes' own shares."""
+    model = model_of(arch)
+    ids, token = ids_of(5), 3
+    graph = igg.attribution_graph(model, ids, PROMPT, token=token, maps=True)
+    t = graph.position
+    pruned = [node for node in graph.pruned(0.5) if node.kind != "embedding"]
+    nodes = pruned + [igg.Node("embedding", 0, s, 0, float(graph.embeddings[s])) for s in range(t + 1)]
+    nodes.append(graph.logit_node())
+    assert nodes[-1] == ("logit", graph.n_layers + 1, t, graph.target, graph.delta)
+    adj = graph.adjacency(nodes, direct=True)
+    kept_heads, kept_neurons = {}, {}
+    for node in pruned:
+        (kept_heads if node.kind == "head" else kept_neurons).setdefault(node.block - 1, []).append(
+            (node.position, node.index))
+    heads, neurons, (h0, grad0) = autograd_direct_credit(frozen_copy(model, arch), ids, token, graph.gbar,
+                                                         kept_heads, kept_neurons)
+    scale = float(graph.carried.abs().max())
+    for i, node in enumerate(pruned):
+        if node.kind == "head":
+            z, grad = heads[node.block - 1]
+            want = (z[node.position, node.index] * grad[node.position, node.index]).sum()
+        else:
+            z, grad = neurons[node.block - 1]
+            want = z[node.position, node.index] * grad[node.position, node.index]
+        assert float(adj.weights[i, -1]) == pytest.approx(float(want), abs=1e-8 * scale), node
+    assert torch.allclose(adj.embeddings[-1], (h0 * grad0).sum(-1), rtol=0, atol=1e-8 * scale)
+    shares = torch.tensor([node.share for node in nodes], dtype=torch.float64)
+    sums = adj.weights.sum(0) + adj.constants  # every target's incoming links and constants
+    assert torch.allclose(sums[:len(pruned)], shares[:len(pruned)], rtol=0, atol=1e-12 * scale)
+    assert float(sums[-1]) == pytest.approx(graph.delta, abs=1e-12 * scale)
+    assert float(adj.weights[:len(pruned), -1].abs().max()) > 1e-3 * abs(graph.delta)  # something direct
+    everything = graph.adjacency(nodes)
+    assert torch.allclose(everything.weights[:-1, -1], shares[:-1], rtol=0, atol=1e-12 * scale)
+    with pytest.raises(ValueError, match=r"nodes\[0\] = .*'logit'.* is not a node of this graph"):
+        graph.adjacency([igg.Node("logit", graph.n_layers + 1, t - 1, graph.target, graph.delta)])
+    with pytest.raises(ValueError, match="direct must be True or False, got 1"):
+        graph.adjacency(nodes, direct=1)
