@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,20 +52,11 @@ from torch import nn
 
 from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_same_model, check_sequence,
                          eager_attention, first_output, get_adapter, head_counts, hidden_arg, logits_at_end,
-                         projection_weight, quadrature, sublayer_module, sublayer_projection)
+                         projection_weight, quadrature, sublayer_module, sublayer_norm, sublayer_projection)
+from iglens_stats import top_parts
 
 PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
 REBUILD_TOLERANCE = 1e-3  # relative gap between the linearised block and the recorded states
-_INPUT_NORMS = ("input_layernorm", "ln_1")
-_MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
-
-
-def _attr(module: nn.Module, names) -> Optional[nn.Module]:
-    for name in names:
-        found = getattr(module, name, None)
-        if isinstance(found, nn.Module):
-            return found
-    return None
 
 
 def _derivative(act: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -115,9 +106,9 @@ class _Norm:
         x = x - x.mean(-1, keepdim=True) if self.centred else x
         return self.scale * x + (self.beta if self.beta is not None else 0.0)
 
-    def back(self, cot: torch.Tensor) -> torch.Tensor:
-        """(S, d) the transpose of the linear part applied to a cotangent on the output."""
-        cot = self.scale * cot
+    def back(self, cot: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+        """(S, d) the transpose of the linear part applied to a cotangent on the output (at ``rows``)."""
+        cot = self.scale[rows] * cot
         return cot - cot.mean(-1, keepdim=True) if self.centred else cot
 
 
@@ -167,13 +158,9 @@ def _block_parts(block: nn.Module, layer: int) -> dict:
         attention, mlp = sublayer_module(block, "attn"), sublayer_module(block, "mlp")
         out_proj, post_attn = sublayer_projection(block, "attn")
         down_proj, post_mlp = sublayer_projection(block, "mlp")
+        norm1, norm2 = sublayer_norm(block, "attn"), sublayer_norm(block, "mlp")
     except ValueError as error:
         raise ValueError(f"{where}: {error}; the attribution graph does not support it") from error
-    norm1 = _attr(block, _INPUT_NORMS)
-    norm2 = _attr(block, _MLP_NORMS[:1] if hasattr(block, "pre_feedforward_layernorm") else _MLP_NORMS[1:])
-    if norm1 is None or norm2 is None:
-        raise ValueError(f"{where}: cannot find its input norm (looked for {_INPUT_NORMS}) or its "
-                         f"pre-MLP norm (looked for {_MLP_NORMS})")
     if isinstance(getattr(attention, "v_proj", None), nn.Module):
         values = ("v_proj", attention.v_proj)
     elif isinstance(getattr(attention, "c_attn", None), nn.Module):
@@ -524,9 +511,10 @@ class _Block:
                                    where + " post-attention norm") if part["post_attn"] is not None else None)
         self.rebuild = max(self.rebuild, _gap(x + (self.post1.forward(o) if self.post1 is not None else o), mid))
 
-    def mlp_from_output(self, c_y: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Cotangent (S, d) on the MLP increment -> (S, d_ff) on each neuron's output; the down bias's credit."""
-        c_u = self.post2.back(c_y) if self.post2 is not None else c_y  # (S, d)
+    def mlp_from_output(self, c_y: torch.Tensor, rows=slice(None)) -> tuple[torch.Tensor, float]:
+        """Cotangent (S, d) on the MLP increment (or on its ``rows``) -> (S, d_ff) on each neuron's output;
+        the down bias's credit."""
+        c_u = self.post2.back(c_y, rows) if self.post2 is not None else c_y  # (S, d)
         return c_u @ self.W_down, (float((c_u * self.b_down).sum()) if self.b_down is not None else 0.0)
 
     def mlp_to_input(self, c_m: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -539,9 +527,10 @@ class _Block:
             const += float((c_z * self.norm2.beta).sum())
         return self.norm2.back(c_z), const
 
-    def attn_from_output(self, c_y: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(S, d) on the attention increment -> (S, H, hd) on each head's output; the output bias's credit."""
-        c_o = self.post1.back(c_y) if self.post1 is not None else c_y  # (S, d)
+    def attn_from_output(self, c_y: torch.Tensor, rows=slice(None)) -> tuple[torch.Tensor, float]:
+        """(S, d) on the attention increment (or on its ``rows``) -> (S, H, hd) on each head's output; the
+        output bias's credit."""
+        c_o = self.post1.back(c_y, rows) if self.post1 is not None else c_y  # (S, d)
         back = (c_o @ self.W_o).view(c_o.shape[0], self.zh.shape[1], -1)  # (S, H, hd)
         return back, (float((c_o * self.b_o).sum()) if self.b_o is not None else 0.0)
 
@@ -584,11 +573,48 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         ValueError: a model in training mode, an unsupported architecture, a bad argument (named,
             with its valid range), a readout from another model.
     """
+    _check_model_mode(model)
+    input_ids = check_sequence(model, input_ids, prompt_len)
+    token = _check_int("token", token, 0, input_ids.shape[1] - prompt_len - 1)
+    return next(attribution_graphs(model, input_ids, prompt_len, tokens=[token], estimator=estimator, steps=steps,
+                                   quantity=quantity, foil=foil, readout=readout, edges=edges, maps=maps))
+
+
+def _check_model_mode(model) -> None:
     if isinstance(model, nn.Module) and model.training:
         raise ValueError("the model is in training mode (dropout would change the pass): call model.eval() first")
+
+
+@torch.no_grad()
+def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Sequence[int]] = None,
+                       estimator: str = "prediction_aware", steps: int = 16, quantity: str = "prob", foil=None,
+                       readout: Optional[Readout] = None, edges: bool = False,
+                       maps: bool = False) -> Iterator[Graph]:
+    """:func:`attribution_graph` of several answer tokens of one sequence, sharing the work that does
+    not depend on the token: one recorded pass, the linearised blocks, one readout pass for every
+    token's segment gradients. Each graph equals :func:`attribution_graph`'s of its token (up to the
+    float rounding of the batched readout in a float32 model).
+
+    Everything is checked and computed up to the sweeps when called; the graphs are made one at a time
+    as the iterator is read, so memory holds one graph's (n, S, d_ff) neuron shares at a time.
+
+    Args:
+        tokens: answer token indices, each in ``0..S-prompt_len-1``; None: every answer token, in order.
+        the rest: as :func:`attribution_graph` (``edges`` off by default here).
+
+    Returns:
+        An iterator of :class:`Graph`, one per token, in the order of ``tokens``.
+    """
+    _check_model_mode(model)
     input_ids = check_sequence(model, input_ids, prompt_len)
     S = input_ids.shape[1]
-    token = _check_int("token", token, 0, S - prompt_len - 1)
+    answers = S - prompt_len
+    if tokens is None:
+        tokens = list(range(answers))
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__") or not len(tokens):
+        raise ValueError(f"tokens must be None or a non-empty sequence of answer token indices in "
+                         f"0..{answers - 1}, got {tokens!r}")
+    tokens = [_check_int(f"tokens[{i}]", token, 0, answers - 1) for i, token in enumerate(tokens)]
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     steps = _check_int("steps", steps, 1, 10 ** 6)
@@ -602,41 +628,60 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
     n = adapter.n_layers
     targets = input_ids[0, prompt_len:]
     foils = check_foil(foil, targets, readout.vocab_size)
-    t = prompt_len - 1 + token
     H, H_kv = head_counts(model)
     parts = [_block_parts(block, layer) for layer, block in enumerate(adapter.blocks)]
     store = _record(model, adapter, parts, input_ids)
     h = [store[("h", layer)] for layer in range(n + 1)]  # n+1 x (S, d)
     mid = [store[("norm2", layer), "in"] for layer in range(n)]  # n x (S, d)
 
-    # top credit: IG-Lens's segment gradients at t, as components() computes them
-    nodes = torch.stack([h[0][t]] + [x[t] for layer in range(n) for x in (mid[layer], h[layer + 1])])
-    nodes = nodes[:, None].to(readout.dtype)  # (2n+1, 1, d)
+    # top credit: IG-Lens's segment gradients at each predicting position, as components() computes them
+    at = torch.tensor([prompt_len - 1 + token for token in tokens])  # (T',)
+    nodes = torch.stack([h[0][at]] + [x[at] for layer in range(n) for x in (mid[layer], h[layer + 1])])
+    nodes = nodes.to(readout.dtype)  # (2n+1, T', d)
     if estimator == "prediction_aware":
         alphas, weights = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps, "observed"
     else:
         alphas, weights = quadrature(estimator, steps)
-    gbar, lens = readout.along_segments(nodes, targets[token:token + 1], alphas, weights=weights,
-                                        foils=None if foils is None else foils[token:token + 1],
-                                        quantity=quantity)  # (2n, 1, d), (2n+1, 1)
-    gbar = gbar[:, 0].double().cpu().view(n, 2, -1)  # (n, 2, d)
-    lens = lens[:, 0].double().cpu()
-    attn_terms = torch.stack([(mid[l][t] - h[l][t]) @ gbar[l, 0] for l in range(n)])  # (n,)
-    mlp_terms = torch.stack([(h[l + 1][t] - mid[l][t]) @ gbar[l, 1] for l in range(n)])  # (n,)
-    delta = float((attn_terms + mlp_terms).sum())
-    delta_p = float(lens[-1] - lens[0])
-    readable = torch.cat([torch.zeros(1, dtype=torch.float64), (attn_terms + mlp_terms).cumsum(0)])  # (n+1,)
+    picked = torch.tensor(tokens)
+    gbars, lenses = readout.along_segments(nodes, targets[picked], alphas, weights=weights,
+                                           foils=None if foils is None else foils[picked],
+                                           quantity=quantity)  # (2n, T', d), (2n+1, T')
+    gbars, lenses = gbars.double().cpu(), lenses.double().cpu()
 
     blocks = [_Block(parts[layer], store, layer, H, H_kv) for layer in range(n)]
     rebuild = max(block.rebuild for block in blocks)
     if rebuild > REBUILD_TOLERANCE:
         raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}): "
                          "this architecture computes its blocks otherwise than the graph assumes")
+    shared = dict(blocks=blocks, h=h, mid=mid, H=H, edges=edges, maps=maps, rebuild=rebuild,
+                  quantity=quantity, estimator=estimator, steps=steps, input_ids=input_ids[0].clone())
+
+    def one_at_a_time():
+        for column, token in enumerate(tokens):
+            with torch.no_grad():  # not around the yield: the caller's code runs there
+                graph = _sweep(shared, token, prompt_len - 1 + token, int(targets[token]),
+                               None if foils is None else int(foils[token]),
+                               gbars[:, column].reshape(n, 2, -1), lenses[:, column])
+            yield graph
+    return one_at_a_time()
+
+
+def _sweep(shared: dict, token: int, t: int, target: int, foil: Optional[int], gbar: torch.Tensor,
+           lens: torch.Tensor) -> Graph:
+    """One answer token's graph: its top terms from ``gbar`` (n, 2, d) and ``lens`` (2n+1,), and the
+    backward sweep over the blocks linearised once for the sequence (``shared``)."""
+    blocks, h, mid, H = shared["blocks"], shared["h"], shared["mid"], shared["H"]
+    n, S = len(blocks), h[0].shape[0]
+    attn_terms = torch.stack([(mid[l][t] - h[l][t]) @ gbar[l, 0] for l in range(n)])  # (n,)
+    mlp_terms = torch.stack([(h[l + 1][t] - mid[l][t]) @ gbar[l, 1] for l in range(n)])  # (n,)
+    delta = float((attn_terms + mlp_terms).sum())
+    delta_p = float(lens[-1] - lens[0])
+    readable = torch.cat([torch.zeros(1, dtype=torch.float64), (attn_terms + mlp_terms).cumsum(0)])  # (n+1,)
     carried = torch.zeros(n + 1, S, dtype=torch.float64)
     constants = torch.zeros(n, 2, dtype=torch.float64)
     heads_out = torch.zeros(n, H, S, dtype=torch.float64)
     heads_direct = torch.zeros(n, H, dtype=torch.float64)
-    edges_out = torch.zeros(n, H, S, S, dtype=torch.float64) if edges else None
+    edges_out = torch.zeros(n, H, S, S, dtype=torch.float64) if shared["edges"] else None
     neurons_out, neurons_direct = [None] * n, [None] * n
     cotangents = []  # per block: (neuron cotangents (S, d_ff), head cotangents (S, H, hd))
     cot = torch.zeros_like(h[0])  # (S, d) cotangent on h_n: nothing reads it but the top terms
@@ -646,7 +691,7 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         seed[t] = gbar[layer, 1]
         c_m, const_out = block.mlp_from_output(cot + seed)  # (S, d_ff)
         neurons_out[layer] = c_m * block.m
-        neurons_direct[layer] = block.mlp_from_output(seed)[0][t] * block.m[t]
+        neurons_direct[layer] = block.mlp_from_output(seed[t:t + 1], slice(t, t + 1))[0][0] * block.m[t]
         c_mid, const_in = block.mlp_to_input(c_m)
         constants[layer, 1] = const_out + const_in
         cot_mid = cot + c_mid  # (S, d)
@@ -654,7 +699,7 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         seed[t] = gbar[layer, 0]
         back, const_out = block.attn_from_output(cot_mid + seed)  # (S, H, hd)
         heads_out[layer] = (block.zh * back).sum(-1).T
-        heads_direct[layer] = (block.zh[t] * block.attn_from_output(seed)[0][t]).sum(-1)
+        heads_direct[layer] = (block.zh[t] * block.attn_from_output(seed[t:t + 1], slice(t, t + 1))[0][0]).sum(-1)
         if edges_out is not None:
             edges_out[layer] = block.A * torch.einsum("qhd,khd->hqk", back, block.v_heads)
         c_x, const_in = block.attn_to_input(back)
@@ -664,11 +709,123 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         carried[layer] = (cot * h[layer]).sum(-1)
     above = constants.sum(1).flip(0).cumsum(0).flip(0)  # (n,) constants of blocks >= L+1
     constants_above = torch.cat([above, torch.zeros(1, dtype=torch.float64)])  # (n+1,)
-    graph = Graph(token, t, int(targets[token]), None if foils is None else int(foils[token]), quantity, estimator,
-                  steps, input_ids[0].clone(), delta, delta_p, abs(delta - delta_p), attn_terms, mlp_terms,
+    graph = Graph(token, t, target, foil, shared["quantity"], shared["estimator"], shared["steps"],
+                  shared["input_ids"], delta, delta_p, abs(delta - delta_p), attn_terms, mlp_terms,
                   readable, carried, constants, constants_above, float(constants.sum()), carried[0].clone(),
                   heads_out, heads_direct, torch.stack(neurons_out), torch.stack(neurons_direct),
-                  edges_out, rebuild, max(block.defect for block in blocks), gbar)
-    if maps:
+                  edges_out, shared["rebuild"], max(block.defect for block in blocks), gbar)
+    if shared["maps"]:
         graph._maps = (blocks, cotangents[::-1], h[0])
     return graph
+
+
+# ---------------------------------------------------------------------------
+# The graphs of many answer tokens as one long table (the dataset path's resolution="graph")
+# ---------------------------------------------------------------------------
+
+GRAPH_NODE_KINDS = ("embedding", "constants", "head", "neuron")  # graph_frame's node kinds, in tie-break order
+_INTEGER_COLUMNS = ("rank", "block", "head", "neuron", "node", "source_position")
+GRAPH_FRAME_COLUMNS = ["token_index", "position", "token", "kind", "rank", "block", "head", "neuron", "node",
+                       "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity"]
+
+
+def graph_frame(graphs: Iterable[Graph], tokenizer, top_k: int = 20):
+    """Answer tokens' graphs as one long table, the rows of each graph in turn (pandas, float64 shares
+    in the unit of f).
+
+    One long table rather than a table per kind: it is what the dataset path writes through its shards
+    (one parts table per run), and each view is one filter and one pivot away, e.g. the carried map of
+    answer token j as causal tracing's (node, position) grid:
+    ``rows[(rows.token_index == j) & (rows.kind == "carried")].pivot(index="node", columns="source_position",
+    values="share")``.
+
+    Rows per graph, in this order, by ``kind``:
+
+    - ``"embedding"``, ``"constants"``, ``"head"``, ``"neuron"``: the graph's ``top_k`` nodes of largest
+      ``|share|``, ranked together (``rank`` 1..k): token embeddings (at ``source_position``), all the
+      constants (one leaf), heads (``block``, ``head``, at query ``source_position``) and neurons
+      (``block``, ``neuron``, at ``source_position``), every position. The project's tie rule
+      (:func:`iglens_stats.top_parts`): shares within :func:`iglens_core.tie_tolerance` of each other
+      are ties, broken by the order embeddings by position, the constants, heads by (block, head,
+      position), neurons by (block, position, neuron); a node tied with 0 is never written, so fewer
+      than k may come.
+    - ``"rest"``, one row: ``delta_p`` minus the k shares written, so that they and it add up to
+      ``delta_p`` exactly. Nodes at different depths share credit (what a head moves also reaches it
+      through the embeddings it reads), so the rest is not the sum of the nodes left out; the rows
+      that partition Δ are the carried map's, below.
+    - ``"carried"``: node L in 0..n (the residual state after block L; 0: the token embeddings) and
+      position ``source_position`` s in 0..t (no later position carries anything): ``Graph.carried[L, s]``,
+      what that state carries into the blocks above it.
+    - ``"readable"``, ``"constants_above"``: per node L, ``Graph.readable[L]`` (the lens's cumulative term at
+      t) and ``Graph.constants_above[L]`` (constants of blocks > L). For every node L, readable + the
+      carried row + constants_above = ``parts_sum``; at node 0 that is the leaves: embeddings + constants.
+
+    Columns: :data:`GRAPH_FRAME_COLUMNS`: ``token_index`` (answer token), ``position`` (its predicting
+    position t), ``token`` (its text), ``kind``, ``rank``, ``block`` (1..n), ``head``, ``neuron``, ``node``
+    (0..n), ``source_position`` (a sequence position), ``source_token`` (its text), ``share``,
+    ``delta_p`` (``f(h_n) - f(h_0)``), ``parts_sum`` (``Graph.delta``: the top terms, which every node's
+    rows add up to; equal to ``delta_p`` up to the estimator's residual, float rounding with
+    ``"prediction_aware"``), ``quantity``; inapplicable entries are null.
+
+    Args:
+        graphs: e.g. :func:`attribution_graphs`'s (read once, one graph at a time).
+        tokenizer: for the tokens' text.
+        top_k: nodes written per graph, an integer >= 1.
+    """
+    import pandas as pd
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1 (nodes written per answer token), got {top_k!r}")
+    frames, ids, texts = [], None, None
+    for graph in graphs:
+        if ids is None or not torch.equal(ids, graph.input_ids):
+            ids, texts = graph.input_ids, graph.tokens(tokenizer)
+        frames.append(_graph_rows(graph, texts, int(top_k)))
+    if not frames:
+        return pd.DataFrame({name: pd.Series(dtype="object") for name in GRAPH_FRAME_COLUMNS})
+    return pd.concat(frames, ignore_index=True)[GRAPH_FRAME_COLUMNS]
+
+
+def _graph_rows(graph: Graph, texts: list[str], top_k: int):
+    """One graph's rows of :func:`graph_frame`, built column by column."""
+    import pandas as pd
+    n, H, S = graph.heads.shape
+    t, null = graph.position, None
+    sizes = [S, 1, n * H * S, n * S * graph.neurons.shape[-1]]  # in GRAPH_NODE_KINDS order
+    flat = torch.cat([graph.embeddings, torch.tensor([graph.constants], dtype=torch.float64),
+                      graph.heads.reshape(-1), graph.neurons.reshape(-1)])
+    starts = np.cumsum([0] + sizes)
+    picked = top_parts(flat, top_k)
+    rows = dict(kind=[], rank=[], block=[], head=[], neuron=[], node=[], source_position=[], share=[])
+
+    def add(kind, share, rank=null, block=null, head=null, neuron=null, node=null, source=null):
+        for name, value in (("kind", kind), ("rank", rank), ("block", block), ("head", head), ("neuron", neuron),
+                            ("node", node), ("source_position", source), ("share", float(share))):
+            rows[name].append(value)
+
+    for rank, index in enumerate(picked.tolist(), 1):
+        group = int(np.searchsorted(starts, index, side="right")) - 1
+        kind, offset = GRAPH_NODE_KINDS[group], index - int(starts[group])
+        if kind == "embedding":
+            add(kind, flat[index], rank, node=0, source=offset)
+        elif kind == "constants":
+            add(kind, flat[index], rank)
+        elif kind == "head":
+            block, head, position = np.unravel_index(offset, (n, H, S))
+            add(kind, flat[index], rank, block=int(block) + 1, head=int(head), source=int(position))
+        else:
+            block, position, neuron = np.unravel_index(offset, graph.neurons.shape)
+            add(kind, flat[index], rank, block=int(block) + 1, neuron=int(neuron), source=int(position))
+    add("rest", graph.delta_p - float(flat[torch.from_numpy(picked)].sum()))
+    for node in range(n + 1):
+        for position in range(t + 1):
+            add("carried", graph.carried[node, position], node=node, source=position)
+    for node in range(n + 1):
+        add("readable", graph.readable[node], node=node)
+    for node in range(n + 1):
+        add("constants_above", graph.constants_above[node], node=node)
+    frame = pd.DataFrame({name: pd.array(values, dtype="Int64") if name in _INTEGER_COLUMNS else values
+                          for name, values in rows.items()})
+    frame["source_token"] = [None if s is None else texts[s] for s in rows["source_position"]]
+    frame = frame.assign(token_index=graph.token, position=t, token=texts[t + 1], delta_p=graph.delta_p,
+                         parts_sum=graph.delta, quantity=graph.quantity)
+    return frame

@@ -136,10 +136,30 @@ def top_parts(shares, k: int) -> np.ndarray:
     """
     size = np.abs(np.asarray(torch.as_tensor(shares, dtype=torch.float64)).reshape(-1))
     tolerance = tie_tolerance(size)[0]
-    order = np.argsort(-size, kind="stable")  # largest first
-    group = np.concatenate([[0], np.cumsum(-np.diff(size[order]) > tolerance)])
-    top = order[np.lexsort((order, group))][:k]  # by group, then by index within a group
+    candidates = _leading_groups(size, k, tolerance)  # ascending flat indices
+    kept = size[candidates]
+    order = np.argsort(-kept, kind="stable")  # largest first
+    group = np.concatenate([[0], np.cumsum(-np.diff(kept[order]) > tolerance)])
+    top = candidates[order[np.lexsort((order, group))][:k]]  # by group, then by index within a group
     return top[size[top] > tolerance]
+
+
+def _leading_groups(size: np.ndarray, k: int, tolerance: float) -> np.ndarray:
+    """Flat indices (ascending) of the values in the tie groups that the ``k`` largest reach: every value
+    down to the end of the group of the k-th largest (a group: sorted values closer than ``tolerance``,
+    single linkage). :func:`top_parts` needs no other, so it sorts these only (one answer token's graph
+    holds 2 million nodes); the groups and the picks are those of sorting every value."""
+    if k >= len(size) or not np.isfinite(size).all():
+        return np.arange(len(size))
+    kth = np.partition(size, len(size) - k)[len(size) - k]  # the k-th largest
+    margin = tolerance
+    while True:  # sort the values near the k-th largest until its group's end lies among them
+        near = -np.sort(-size[size >= kth - margin])
+        gaps = np.flatnonzero(-np.diff(near[k - 1:]) > tolerance)
+        if len(gaps) or len(near) == len(size):
+            bottom = near[k - 1 + gaps[0]] if len(gaps) else near[-1]
+            return np.flatnonzero(size >= bottom)
+        margin *= 4
 
 
 def spearman_rows(scores, effects) -> np.ndarray:

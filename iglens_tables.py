@@ -336,5 +336,5 @@ def attribution_from_frame(frame, *, estimator: str = "prediction_aware", steps:
                        steps, baseline, quantity=quantity, foils=torch.full((T,), -1) if has_foil else None)
 
 
-PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank", "block", "head", "neuron",
+PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank", "block", "head", "neuron", "node",
                  "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity", "foil", "shard"]

@@ -387,6 +387,10 @@ def test_bad_input():
         igg.attribution_graph(odd, ids, PROMPT)
     with pytest.raises(ValueError, match="edges must be True or False"):
         igg.attribution_graph(model, ids, PROMPT, edges=None)
+    bare = tiny_model("llama", dtype=torch.float64)  # the norms are found by the core's sublayer_norm
+    del blocks(bare)[0].input_layernorm
+    with pytest.raises(ValueError, match=r"block 1 .*cannot find the input norm .*\('input_layernorm', 'ln_1'\)"):
+        igg.attribution_graph(bare, ids, PROMPT)
 
 
 # -- adjacency among nodes ------------------------------------------------------------------------------
