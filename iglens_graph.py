@@ -40,6 +40,10 @@ Identities (tests/test_graph.py): for every node L,
 constants) add up to ``delta``; each head's edges add up to its share; with the prediction-aware
 estimator ``delta`` is ``f(h_n) - f(h_0)`` exactly. At the predicting position the direct part of
 the head and neuron shares (from ``gbar`` alone) is ``components``'s.
+
+Many answer tokens: :func:`attribution_graphs` shares the recorded pass, the linearised blocks and one
+readout pass among a sequence's tokens; :func:`graph_frame` writes graphs as the long table that
+``iglens_data.attribute_dataset(resolution="graph")`` and ``iglens --resolution graph`` store.
 """
 from __future__ import annotations
 
