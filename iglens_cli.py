@@ -96,8 +96,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="with --dataset: also split every answer token over heads, neurons or "
                              "(head, source token) pairs and write the top parts, the per-head and "
                              "per-source-token sums to OUT.components.parquet (baseline embedding); "
-                             "source with --html: the views gain the source-token panel (with a "
-                             "prompt: source and --html only)")
+                             "graph: each answer token's attribution graph, its top nodes (heads and "
+                             "neurons at every position, token embeddings, constants) and the carried "
+                             "map (node x position); source with --html: the views gain the "
+                             "source-token panel (with a prompt: source and --html only)")
     parser.add_argument("--top-k", default=None, type=_positive_int, metavar="K",
                         help="with --resolution: parts written per answer token, an integer >= 1 "
                              "(default 20)")
@@ -113,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dataset is not None and args.out is None:
         parser.error("--dataset needs --out OUT.parquet (where the results are written)")
     if args.top_k is not None and args.resolution is None:
-        parser.error("--top-k needs --resolution source|head|neuron (the parts it counts)")
+        parser.error(f"--top-k needs --resolution {'|'.join(DATASET_RESOLUTIONS)} (the parts it counts)")
     if args.prompt is not None and args.resolution is not None and (args.resolution != "source" or not args.html):
         parser.error("with a prompt, --resolution takes only source, with --html (the source-token panel); "
                      "head and neuron tables: --dataset")
@@ -295,8 +297,9 @@ def _main_dataset(args) -> int:
               f"{worst:.1e}, {stats['items_per_s']:.2f} items/s ({stats['items_run']} run in "
               f"{stats['seconds']:.1f} s)" + (f"; results in {args.out}" if args.out else ""))
         if args.resolution is not None:
+            what = "carried map, rest" if args.resolution == "graph" else "sums, rest"
             print(f"{len(tables[2])} {args.resolution} rows (top {args.top_k or 20} per answer token, "
-                  f"sums, rest) in {parts_path(args.out)}")
+                  f"{what}) in {parts_path(args.out)}")
         if args.html:
             views = _dataset_views(results, args, tables[2] if args.resolution == "source" else None)
             print(f"interactive views: {len(views)} files in {args.html}")

@@ -125,6 +125,7 @@ _FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_norm")
 # Pre-MLP norm of a block: its input is the residual between attention and MLP. Gemma's
 # `post_attention_layernorm` normalises the attention *output*, so its pre-MLP norm goes first.
 _MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+_INPUT_NORMS = ("input_layernorm", "ln_1")  # the attention's input norm
 
 
 @dataclass
@@ -597,10 +598,7 @@ def _mid_hooks(adapter: Adapter, keep: Callable[[int, torch.Tensor], None]) -> l
             hooks.append(block.attention.register_forward_hook(
                 lambda mod, args, out, layer=layer: keep(layer, inputs[layer] + first_output(out))))
             continue
-        mlp_norm = _first_attr(block, _MLP_NORMS)
-        if mlp_norm is None:
-            raise ValueError(f"cannot find the pre-MLP norm of block {type(block).__name__} "
-                             f"(looked for {_MLP_NORMS})")
+        mlp_norm = sublayer_norm(block, "mlp")
         hooks.append(mlp_norm.register_forward_pre_hook(lambda mod, args, layer=layer: keep(layer, args[0])))
     return hooks
 
@@ -622,6 +620,15 @@ def sublayer_module(block: nn.Module, sublayer: Optional[str]) -> nn.Module:
     if module is None:
         raise ValueError(f"cannot find the {sublayer} module of block {type(block).__name__} (looked for {names})")
     return module
+
+
+def sublayer_norm(block: nn.Module, sublayer: str) -> nn.Module:
+    """The norm a block's ``"attn"`` (its input norm) or ``"mlp"`` (its pre-MLP norm) reads through."""
+    names, what = (_INPUT_NORMS, "input") if sublayer == "attn" else (_MLP_NORMS, "pre-MLP")
+    norm = _first_attr(block, names)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"cannot find the {what} norm of block {type(block).__name__} (looked for {names})")
+    return norm
 
 
 def sublayer_projection(block: nn.Module, sublayer: str) -> tuple[nn.Module, Optional[nn.Module]]:

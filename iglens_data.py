@@ -7,8 +7,8 @@ sequences in batches), greedy answers in batches, :func:`ig_lens_batch` (one rea
 whole batch), ``resume``, and the split of items over the ranks of ``torchrun`` / ``accelerate``.
 :func:`attribute_dataset` is the entry point; the command line's ``--dataset`` calls it. With
 ``resolution=`` it also writes a long table of each item's top parts (heads, neurons or (head,
-source token) pairs) and their sums. Reading the input file and writing the shards is
-:mod:`iglens_tables`.
+source token) pairs) and their sums, or of each answer token's attribution graph
+(:mod:`iglens_graph`). Reading the input file and writing the shards is :mod:`iglens_tables`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from iglens_core import (ESTIMATORS, Attribution, Components, Readout, Trace, ch
                          context_length, get_adapter, ig_lens, logits_at_end, model_fingerprint, precision,
                          resolve_baseline, stream_hooks, tie_tolerance)
 import iglens_tables as igt
+from iglens_graph import attribution_graphs
 from iglens_stats import top_parts
 
 
@@ -360,7 +361,7 @@ def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foi
     return frame
 
 
-DATASET_RESOLUTIONS = ("head", "neuron", "source")  # attribute_dataset(resolution=) and --resolution
+DATASET_RESOLUTIONS = ("head", "neuron", "source", "graph")  # attribute_dataset(resolution=) and --resolution
 
 
 
@@ -374,7 +375,6 @@ def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resoluti
                  row: int, item_id: str, foil: Optional[str]):
     """One item's rows of the parts table (see :func:`attribute_dataset`) from its components."""
     import pandas as pd
-    n = parts.attn.shape[1]
     shares = (parts.neurons if resolution == "neuron" else parts.heads).double()  # (T, n, P + 1), bias last
     split = parts.sources.double() if resolution == "source" else shares[..., :-1]
     # the whole decomposition: the split parts, the biases, and the sublayer not split
@@ -385,7 +385,7 @@ def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resoluti
     source_tokens = [tokenizer.decode([i]) for i in ids]
     tokens = [tokenizer.decode([i]) for i in parts.targets.tolist()]
     moved = parts.by_source().double() if resolution == "source" else None  # (T, S + 1)
-    columns = {name: [] for name in igt.PART_COLUMNS if name not in ("row", "id", "quantity", "foil", "shard")}
+    columns = {name: [] for name in igt.PART_COLUMNS if name not in ("row", "id", "node", "quantity", "foil", "shard")}
 
     def add(t, kind, share, rank=None, block=None, head=None, neuron=None, source=None):
         for name, value in (("token_index", t), ("position", int(parts.positions[t])),
@@ -431,13 +431,18 @@ def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resoluti
 def _item_parts(model, tokenizer, sequence, row: int, item_id: str, foil: Optional[str],
                 foil_id: Optional[int], *, resolution: str, top_k: int, **settings):
     """One item's parts table: :func:`collect_components` and :func:`components` of its
-    ``(prompt ids, answer ids)``, then :func:`_parts_frame`. ``settings``: steps, estimator,
-    readout, quantity, as :func:`components` takes them."""
+    ``(prompt ids, answer ids)``, then :func:`_parts_frame`; or (``"graph"``) the graph of every answer
+    token, :func:`iglens_tables.graph_frame`. ``settings``: steps, estimator, readout, quantity."""
     prompt, answer = sequence
     input_ids = torch.tensor([list(prompt) + list(answer)])
-    trace = collect_components(model, input_ids, len(prompt), sources=resolution == "source")
-    split = components(model, trace, resolution=resolution, foil=foil_id, **settings)
-    return _parts_frame(split, tokenizer, input_ids, resolution, top_k, row, item_id, foil)
+    if resolution == "graph":
+        graphs = attribution_graphs(model, input_ids, len(prompt), foil=foil_id, **settings)
+        frame = igt.graph_frame(graphs, tokenizer, top_k).assign(row=row, id=item_id, foil=foil)
+    else:
+        trace = collect_components(model, input_ids, len(prompt), sources=resolution == "source")
+        split = components(model, trace, resolution=resolution, foil=foil_id, **settings)
+        frame = _parts_frame(split, tokenizer, input_ids, resolution, top_k, row, item_id, foil)
+    return frame.reindex(columns=igt.PART_COLUMNS[:-1]).astype({"node": "Int64"})
 
 
 def _check_dataset_baseline(baseline, d: int) -> None:
@@ -558,7 +563,10 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
             also split each item with :func:`iglens_core.components` (its own forward pass,
             :func:`iglens_core.collect_components`; the same ``steps``, ``estimator``,
             ``quantity`` and foil; ``baseline="embedding"`` only, the path components split) and
-            write the parts table below, to :func:`parts_path` ``(out)``.
+            write the parts table below, to :func:`parts_path` ``(out)``; or ``"graph"``: the
+            attribution graph of every answer token (:func:`iglens_graph.attribution_graphs`, the
+            same settings) as :func:`iglens_tables.graph_frame`'s rows: its top-k nodes and rest, and
+            the carried map (node x position) with the rows that make each node add up.
         top_k: with ``resolution``, the parts written per answer token (an integer >= 1), picked
             by :func:`top_parts` (largest ``|share|``, ties within rounding by the lower index,
             never a part tied with 0).
@@ -586,8 +594,9 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         ``"source_total"`` (every source position up to the predicting one: what all heads of all
         blocks moved from it) with ``"source_rest"`` (MLPs, attention biases, the estimator's
         residual: :meth:`iglens_core.Components.by_source`), adding up to ``delta_p`` exactly.
+        With ``"graph"`` the kinds and columns are :func:`iglens_tables.graph_frame`'s (``node``: 0..n).
         Columns: ``row``, ``id``, ``token_index``, ``position``, ``token`` (as in ``results``),
-        ``kind``, ``rank``, ``block`` (1..n), ``head`` (0..H-1), ``neuron`` (0..d_ff-1),
+        ``kind``, ``rank``, ``block`` (1..n), ``head`` (0..H-1), ``neuron`` (0..d_ff-1), ``node``,
         ``source_position`` (index in the item's sequence), ``source_token`` (its text), ``share``
         (f credited), ``delta_p``, ``parts_sum`` (the sum of the whole decomposition, written or
         not: every split part, the biases and the sublayers not split; equals ``delta_p`` up to

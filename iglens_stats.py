@@ -166,9 +166,15 @@ def top_parts(shares, k: int) -> np.ndarray:
     """
     size = np.abs(np.asarray(torch.as_tensor(shares, dtype=torch.float64)).reshape(-1))
     tolerance = tie_tolerance(size)[0]
-    order = np.argsort(-size, kind="stable")  # largest first
-    group = tie_groups(size[order], tolerance, limit=k)
-    top = order[np.lexsort((order, group))][:k]  # by group, then by index within a group
+    if k < len(size) and np.isfinite(size).all():  # only values within the tolerance below the k-th can be picked
+        kth = np.partition(size, len(size) - k)[len(size) - k]
+        candidates = np.flatnonzero(size >= kth - tolerance)  # ascending flat indices (a graph: 2 million nodes)
+    else:
+        candidates = np.arange(len(size))
+    kept = size[candidates]
+    order = np.argsort(-kept, kind="stable")  # largest first; stable: ties by the lower flat index
+    group = tie_groups(kept[order], tolerance, limit=k)
+    top = candidates[order[np.lexsort((order, group))][:k]]  # by group, then by index within a group
     return top[size[top] > tolerance]
 
 

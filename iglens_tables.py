@@ -14,11 +14,13 @@ import math
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
+import numpy as np
 import torch
 
 from iglens_core import Attribution
+from iglens_stats import top_parts
 
 
 DATASET_FORMATS = (".csv", ".tsv", ".json", ".jsonl", ".parquet")
@@ -336,5 +338,117 @@ def attribution_from_frame(frame, *, estimator: str = "prediction_aware", steps:
                        steps, baseline, quantity=quantity, foils=torch.full((T,), -1) if has_foil else None)
 
 
-PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank", "block", "head", "neuron",
+PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank", "block", "head", "neuron", "node",
                  "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity", "foil", "shard"]
+
+
+# ---------------------------------------------------------------------------
+# The graphs of many answer tokens as one long table (the dataset path's resolution="graph")
+# ---------------------------------------------------------------------------
+
+GRAPH_NODE_KINDS = ("embedding", "constants", "head", "neuron")  # graph_frame's node kinds, in tie-break order
+_INTEGER_COLUMNS = ("rank", "block", "head", "neuron", "node", "source_position")
+GRAPH_FRAME_COLUMNS = ["token_index", "position", "token", "kind", "rank", "block", "head", "neuron", "node",
+                       "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity"]
+
+
+def graph_frame(graphs: Iterable, tokenizer, top_k: int = 20):
+    """Answer tokens' graphs as one long table, the rows of each graph in turn (pandas, float64 shares
+    in the unit of f).
+
+    One long table rather than a table per kind: it is what the dataset path writes through its shards
+    (one parts table per run), and each view is one filter and one pivot away, e.g. the carried map of
+    answer token j as causal tracing's (node, position) grid:
+    ``rows[(rows.token_index == j) & (rows.kind == "carried")].pivot(index="node", columns="source_position",
+    values="share")``.
+
+    Rows per graph, in this order, by ``kind``:
+
+    - ``"embedding"``, ``"constants"``, ``"head"``, ``"neuron"``: the graph's ``top_k`` nodes of largest
+      ``|share|``, ranked together (``rank`` 1..k): token embeddings (at ``source_position``), all the
+      constants (one leaf), heads (``block``, ``head``, at query ``source_position``) and neurons
+      (``block``, ``neuron``, at ``source_position``), every position. The project's tie rule
+      (:func:`iglens_stats.top_parts`): shares within :func:`iglens_core.tie_tolerance` of each other
+      are ties, broken by the order embeddings by position, the constants, heads by (block, head,
+      position), neurons by (block, position, neuron); a node tied with 0 is never written, so fewer
+      than k may come.
+    - ``"rest"``, one row: ``delta_p`` minus the k shares written, so that they and it add up to
+      ``delta_p`` exactly. Nodes at different depths share credit (what a head moves also reaches it
+      through the embeddings it reads), so the rest is not the sum of the nodes left out; the rows
+      that partition Δ are the carried map's, below.
+    - ``"carried"``: node L in 0..n (the residual state after block L; 0: the token embeddings) and
+      position ``source_position`` s in 0..t (no later position carries anything): ``Graph.carried[L, s]``,
+      what that state carries into the blocks above it.
+    - ``"readable"``, ``"constants_above"``: per node L, ``Graph.readable[L]`` (the lens's cumulative term at
+      t) and ``Graph.constants_above[L]`` (constants of blocks > L). For every node L, readable + the
+      carried row + constants_above = ``parts_sum``; at node 0 that is the leaves: embeddings + constants.
+
+    Columns: :data:`GRAPH_FRAME_COLUMNS`: ``token_index`` (answer token), ``position`` (its predicting
+    position t), ``token`` (its text), ``kind``, ``rank``, ``block`` (1..n), ``head``, ``neuron``, ``node``
+    (0..n), ``source_position`` (a sequence position), ``source_token`` (its text), ``share``,
+    ``delta_p`` (``f(h_n) - f(h_0)``), ``parts_sum`` (``Graph.delta``: the top terms, which every node's
+    rows add up to; equal to ``delta_p`` up to the estimator's residual, float rounding with
+    ``"prediction_aware"``), ``quantity``; inapplicable entries are null.
+
+    Args:
+        graphs: :class:`iglens_graph.Graph` objects, e.g. :func:`iglens_graph.attribution_graphs`'s (read once, one graph at a time).
+        tokenizer: for the tokens' text.
+        top_k: nodes written per graph, an integer >= 1.
+    """
+    import pandas as pd
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1 (nodes written per answer token), got {top_k!r}")
+    frames, ids, texts = [], None, None
+    for graph in graphs:
+        if ids is None or not torch.equal(ids, graph.input_ids):
+            ids, texts = graph.input_ids, graph.tokens(tokenizer)
+        frames.append(_graph_rows(graph, texts, int(top_k)))
+    if not frames:
+        return pd.DataFrame({name: pd.Series(dtype="object") for name in GRAPH_FRAME_COLUMNS})
+    return pd.concat(frames, ignore_index=True)[GRAPH_FRAME_COLUMNS]
+
+
+def _graph_rows(graph, texts: list[str], top_k: int):
+    """One graph's rows of :func:`graph_frame`, built column by column."""
+    import pandas as pd
+    n, H, S = graph.heads.shape
+    t, null = graph.position, None
+    sizes = [S, 1, n * H * S, n * S * graph.neurons.shape[-1]]  # in GRAPH_NODE_KINDS order
+    flat = torch.cat([graph.embeddings, torch.tensor([graph.constants], dtype=torch.float64),
+                      graph.heads.reshape(-1), graph.neurons.reshape(-1)])
+    starts = np.cumsum([0] + sizes)
+    picked = top_parts(flat, top_k)
+    rows = dict(kind=[], rank=[], block=[], head=[], neuron=[], node=[], source_position=[], share=[])
+
+    def add(kind, share, rank=null, block=null, head=null, neuron=null, node=null, source=null):
+        for name, value in (("kind", kind), ("rank", rank), ("block", block), ("head", head), ("neuron", neuron),
+                            ("node", node), ("source_position", source), ("share", float(share))):
+            rows[name].append(value)
+
+    for rank, index in enumerate(picked.tolist(), 1):
+        group = int(np.searchsorted(starts, index, side="right")) - 1
+        kind, offset = GRAPH_NODE_KINDS[group], index - int(starts[group])
+        if kind == "embedding":
+            add(kind, flat[index], rank, node=0, source=offset)
+        elif kind == "constants":
+            add(kind, flat[index], rank)
+        elif kind == "head":
+            block, head, position = np.unravel_index(offset, (n, H, S))
+            add(kind, flat[index], rank, block=int(block) + 1, head=int(head), source=int(position))
+        else:
+            block, position, neuron = np.unravel_index(offset, graph.neurons.shape)
+            add(kind, flat[index], rank, block=int(block) + 1, neuron=int(neuron), source=int(position))
+    add("rest", graph.delta_p - float(flat[torch.from_numpy(picked)].sum()))
+    for node in range(n + 1):
+        for position in range(t + 1):
+            add("carried", graph.carried[node, position], node=node, source=position)
+    for node in range(n + 1):
+        add("readable", graph.readable[node], node=node)
+    for node in range(n + 1):
+        add("constants_above", graph.constants_above[node], node=node)
+    frame = pd.DataFrame({name: pd.array(values, dtype="Int64") if name in _INTEGER_COLUMNS else values
+                          for name, values in rows.items()})
+    frame["source_token"] = [None if s is None else texts[s] for s in rows["source_position"]]
+    frame = frame.assign(token_index=graph.token, position=t, token=texts[t + 1], delta_p=graph.delta_p,
+                         parts_sum=graph.delta, quantity=graph.quantity)
+    return frame

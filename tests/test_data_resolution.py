@@ -10,6 +10,7 @@ import torch
 import iglens_cli as igcli
 import iglens_core as ig
 import iglens_data as igd
+import iglens_graph as igg
 import iglens_tables as igt
 from conftest import tiny_model
 from test_dataset import VOCAB, model_dir, tokenizer  # noqa: F401 (fixtures: the packaged tokenizer, a tiny Llama dir)
@@ -103,6 +104,122 @@ def test_parts_equal_components_of_each_item(tokenizer, arch, resolution, quanti
                     resolution, top_k, foil=foil, steps=3, estimator="prediction_aware", quantity=quantity)
 
 
+def _check_graph_item(model, tokenizer, item, got, block_rows, top_k, foil=None, **settings):
+    """One item's graph rows against iglens_graph.attribution_graph of each answer token alone."""
+    ids, prompt_len = igd.encode(tokenizer, item.prompt, item.answer)
+    T = ids.shape[1] - prompt_len
+    assert sorted(got["token_index"].unique()) == list(range(T))
+    exact = next(model.parameters()).dtype == torch.float64
+    for j in range(T):
+        graph = igg.attribution_graph(model, ids, prompt_len, token=j, foil=foil, edges=False, **settings)
+        rows = got[got["token_index"] == j]
+        n, t = graph.n_layers, graph.position
+        scale = max(float(graph.carried.abs().max()), abs(graph.delta), 1e-3)
+        tol = 1e-12 * scale if exact else 1e-6 * scale  # float32: the batched readout's rounding
+        assert (rows["position"] == t).all() and (rows["token"] == tokenizer.decode([graph.target])).all()
+        assert rows["delta_p"].to_numpy() == pytest.approx(graph.delta_p, abs=tol)
+        assert rows["parts_sum"].to_numpy() == pytest.approx(graph.delta, abs=tol)
+        assert abs(graph.delta - graph.delta_p) < (1e-12 if exact else 1e-5)  # prediction-aware
+        assert block_rows[block_rows["token_index"] == j]["delta_p"].iloc[0] == pytest.approx(graph.delta_p, abs=1e-5)
+        # the carried map, readable and constants above: the graph's, and every node adds up
+        carried = rows[rows["kind"] == "carried"].pivot(index="node", columns="source_position", values="share")
+        assert carried.index.tolist() == list(range(n + 1)) and carried.columns.tolist() == list(range(t + 1))
+        np.testing.assert_allclose(carried.to_numpy(), graph.carried[:, :t + 1].numpy(), rtol=0, atol=tol)
+        assert (graph.carried[:, t + 1:] == 0).all()  # nothing comes from later positions
+        readable = rows[rows["kind"] == "readable"].set_index("node")["share"]
+        above = rows[rows["kind"] == "constants_above"].set_index("node")["share"]
+        np.testing.assert_allclose(readable.to_numpy(), graph.readable.numpy(), rtol=0, atol=tol)
+        np.testing.assert_allclose(above.to_numpy(), graph.constants_above.numpy(), rtol=0, atol=tol)
+        per_node = readable.to_numpy() + carried.to_numpy().sum(1) + above.to_numpy()
+        np.testing.assert_allclose(per_node, rows["parts_sum"].iloc[0], rtol=0, atol=1e-12 if exact else 1e-5)
+        # the top-k nodes: the graph's shares at the nodes named, picked by the tie rule
+        flat = torch.cat([graph.embeddings, torch.tensor([graph.constants], dtype=torch.float64),
+                          graph.heads.reshape(-1), graph.neurons.reshape(-1)]).numpy()
+        S, H, d_ff = len(graph.embeddings), graph.heads.shape[1], graph.neurons.shape[-1]
+        top = rows[rows["kind"].isin(igt.GRAPH_NODE_KINDS)]
+        assert top["rank"].tolist() == list(range(1, len(top) + 1))
+        picked = []
+        for node in top.itertuples():
+            if node.kind == "embedding":
+                assert node.node == 0
+                picked.append(node.source_position)
+            elif node.kind == "constants":
+                picked.append(S)
+            elif node.kind == "head":
+                picked.append(S + 1 + ((node.block - 1) * H + node.head) * S + node.source_position)
+            else:
+                picked.append(S + 1 + n * H * S + ((node.block - 1) * S + node.source_position) * d_ff + node.neuron)
+        picked = np.array(picked, dtype=np.int64)
+        np.testing.assert_allclose(top["share"].to_numpy(), flat[picked], rtol=0, atol=tol)
+        size = np.abs(flat)
+        tie = float(ig.tie_tolerance(size)[0])
+        assert len(top) == min(top_k, int((size > tie).sum()))
+        assert (size[picked] > tie).all() and (np.diff(size[picked]) <= tie).all()
+        assert len(top) < top_k or size[picked].min() >= np.delete(size, picked).max() - tie
+        rest = rows[rows["kind"] == "rest"]["share"]
+        assert len(rest) == 1 and rest.iloc[0] + top["share"].sum() == pytest.approx(rows["delta_p"].iloc[0], abs=1e-12)
+        assert set(rows["kind"]) <= {*igt.GRAPH_NODE_KINDS, "rest", "carried", "readable", "constants_above"}
+        assert len(rows) == len(top) + 1 + (n + 1) * (t + 1) + 2 * (n + 1)
+
+
+@pytest.mark.parametrize("arch,dtype,quantity", [("llama", torch.float64, "logprob"), ("gemma3", torch.float32, "logprob"),
+                                                 ("gpt2", torch.float32, "prob")])
+def test_graph_rows_equal_the_graph_of_each_token(tokenizer, arch, dtype, quantity):
+    """resolution="graph": per item and answer token the carried map and the top-k nodes equal
+    iglens_graph.attribution_graph's of that token computed alone; parts + rest add up to Δp; every
+    node's rows add up to the top terms. Tiny random models with randomised norms; one item with a foil."""
+    model = tiny_model(arch, seed=11, vocab_size=VOCAB, dtype=dtype)
+    facts = _facts(2)
+    facts["foil"] = [" Lyon", None]
+    results, errors, parts = igd.attribute_dataset(model, tokenizer, facts, steps=3, batch_size=2, progress=False,
+                                                   quantity=quantity, resolution="graph", top_k=6)
+    assert errors.empty and list(parts["id"].unique()) == list(facts["id"])
+    assert list(parts.columns) == igt.PART_COLUMNS[:-1] and (parts["quantity"] == quantity).all()
+    assert parts[parts["kind"] == "carried"]["node"].min() == 0
+    if quantity == "logprob":  # probabilities of a random model over 49152 tokens are all tied with 0
+        assert set(parts["kind"]) & {"head", "neuron", "embedding"}
+    for item in facts.itertuples():
+        foil = tokenizer(item.foil, add_special_tokens=False)["input_ids"][0] if item.foil else None
+        assert (parts[parts["id"] == item.id]["foil"].isna() if foil is None
+                else parts[parts["id"] == item.id]["foil"] == item.foil).all()
+        _check_graph_item(model, tokenizer, item, parts[parts["id"] == item.id], results[results["id"] == item.id],
+                          6, foil=foil, steps=3, estimator="prediction_aware", quantity=quantity)
+
+
+def test_cli_resolution_graph(tmp_path, model_dir, tokenizer, capsys):
+    """``iglens --dataset F --resolution graph --top-k 3``: the summary names the graph rows and the
+    parts file holds each answer token's graph (checked against attribution_graph as above)."""
+    facts = _facts(2)
+    csv, out = tmp_path / "items.csv", tmp_path / "g.parquet"
+    facts.to_csv(csv, index=False)
+    assert igcli.main(["--dataset", str(csv), "--out", str(out), "--model", str(model_dir), "--steps", "2",
+                       "--quantity", "logprob", "--resolution", "graph", "--top-k", "3"]) == 0
+    printed = capsys.readouterr().out
+    parts = pd.read_parquet(igt.parts_path(out))
+    assert f"{len(parts)} graph rows (top 3 per answer token, carried map, rest) in {igt.parts_path(out)}" in printed
+    model, _ = ig.load_model(str(model_dir))
+    results = pd.read_parquet(out)
+    for item in facts.itertuples():
+        _check_graph_item(model, tokenizer, item, parts[parts["id"] == item.id], results[results["id"] == item.id],
+                          3, steps=2, estimator="prediction_aware", quantity="logprob")
+
+
+def test_graph_frame_bad_top_k_and_mixed_sequences(tokenizer):
+    model = tiny_model("llama", seed=2, dtype=torch.float64)
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"top_k must be an integer >= 1 \(nodes written per answer token\), got 0"):
+        igt.graph_frame([], tokenizer, 0)
+    with pytest.raises(ValueError, match=r"tokens\[1\] must be an integer in 0\.\.3, got 4"):
+        igg.attribution_graphs(model, ids, 4, tokens=[0, 4])
+    with pytest.raises(ValueError, match=r"tokens must be None or a non-empty sequence"):
+        igg.attribution_graphs(model, ids, 4, tokens=[])
+    other = ids.flip(1)
+    graphs = [igg.attribution_graph(model, ids, 4, token=1), igg.attribution_graph(model, other, 4, token=1)]
+    frame = igt.graph_frame(graphs, tokenizer, 2)
+    assert frame["token"].tolist()[-1] == tokenizer.decode([int(other[0, 5])])  # each graph's own text
+    assert frame["token"].tolist()[0] == tokenizer.decode([int(ids[0, 5])])
+
+
 def test_top_parts_tie_rule():
     """Zero-tied parts are never picked; ties within rounding go to the lower index; the same picks
     as igs.top_positive of |share| (the project's rule, which iglens_data may not import)."""
@@ -120,6 +237,33 @@ def test_top_parts_tie_rule():
         k = int(gen.integers(1, size + 3))
         want = igs.top_positive(np.abs(values), min(k, size))
         assert igs.top_parts(values.reshape(1, -1), k).tolist() == want.tolist(), (values, k)
+        assert igs.top_parts(values, k).tolist() == _top_parts_by_full_sort(values, k).tolist(), (values, k)
+    for trial in range(300):  # large vectors: the picks equal those of sorting every value
+        size = int(gen.integers(50, 3000))
+        scale = [1e-6, 1e-5, 3e-5, 1e-3][trial % 4]  # chains of near ties of every length
+        values = np.cumsum(gen.exponential(scale, size)) * gen.choice([-1, 1], size)
+        values = gen.permutation(np.concatenate([values, np.zeros(int(gen.integers(0, 50)))]))
+        if trial % 5 == 0:
+            values[gen.integers(0, len(values), 20)] = values[0]  # exact ties
+        k = int(gen.integers(1, 60))
+        assert igs.top_parts(values, k).tolist() == _top_parts_by_full_sort(values, k).tolist(), (trial, k)
+
+
+def _top_parts_by_full_sort(values, k):
+    """The tie rule by sorting every value and grouping in a plain loop: a group holds the values within
+    the tolerance below its largest member (top_parts sorts only the values that can be picked)."""
+    size = np.abs(np.asarray(values, dtype=np.float64)).reshape(-1)
+    tolerance = ig.tie_tolerance(size)[0]
+    order = np.argsort(-size, kind="stable")
+    group, anchor = [], None
+    for value in size[order]:
+        if anchor is None or value < anchor - tolerance:
+            anchor = value
+            group.append(len(group) and group[-1] + 1)
+        else:
+            group.append(group[-1])
+    top = order[np.lexsort((order, np.array(group)))][:k]
+    return top[size[top] > tolerance]
 
 
 def test_resume_refuses_other_resolution(tmp_path, tokenizer):
@@ -138,7 +282,8 @@ def test_resume_refuses_other_resolution(tmp_path, tokenizer):
     pd.testing.assert_frame_equal(again_results, results)
     for more, match in [(dict(resolution="source"), r"resolution: 'head' in the shards, 'source' now"),
                         (dict(top_k=4), r"top_k: 3 in the shards, 4 now"),
-                        (dict(resolution=None), r"resolution: 'head' in the shards, None now")]:
+                        (dict(resolution=None), r"resolution: 'head' in the shards, None now"),
+                        (dict(resolution="graph"), r"resolution: 'head' in the shards, 'graph' now")]:
         with pytest.raises(ValueError, match=r"resume: the shards in .* were made with other settings .*" + match):
             run(**more)
     igd.attribute_dataset(model, tokenizer, facts, out=out, steps=2, progress=False)  # a fresh plain run
@@ -152,7 +297,7 @@ def test_bad_resolution_and_top_k(tokenizer, tmp_path, capsys):
         with pytest.raises(ValueError, match=rf"top_k must be an integer >= 1 \(parts written per answer token\), "
                                              rf"got {top_k!r}"):
             igd.attribute_dataset(model, tokenizer, facts, resolution="head", top_k=top_k)
-    with pytest.raises(ValueError, match=r"resolution must be None or one of \('head', 'neuron', 'source'\), "
+    with pytest.raises(ValueError, match=r"resolution must be None or one of \('head', 'neuron', 'source', 'graph'\), "
                                          r"got 'block'"):
         igd.attribute_dataset(model, tokenizer, facts, resolution="block")
     with pytest.raises(ValueError, match=r"needs baseline='embedding', got 'zero'"):

@@ -302,6 +302,24 @@ def test_path_coefficients(name):
     assert defect < 1e-10
 
 
+def test_path_coefficient_tiers_agree_with_the_full_rule():
+    """The smaller rules used where |g| is small give the 64-node rule's a(g) within 1e-15 (SiLU,
+    GELU-tanh; every tier used); where a smaller rule is wrong (a kink inside [0, 1]: hardtanh for
+    |g| > 1) its entries fall back to the 64-node rule, so a(g) is the full rule's exactly."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.cat([torch.randn(3000, generator=gen, dtype=torch.float64) * scale for scale in (0.5, 2.0, 6.0, 20.0)])
+    for act in (nn.functional.silu, lambda x: nn.functional.gelu(x, approximate="tanh")):
+        a, b, defect = igg.path_coefficients(act, g)
+        full, full_b, _ = igg.path_coefficients(act, g, tiers=())
+        assert torch.allclose(a, full, rtol=0, atol=1e-15) and not torch.equal(a, full)
+        assert torch.allclose(g * a + b, act(g), rtol=0, atol=1e-14) and defect < 1e-10
+    a, _, _ = igg.path_coefficients(nn.functional.hardtanh, g)
+    full, _, _ = igg.path_coefficients(nn.functional.hardtanh, g, tiers=())
+    small = g.abs() <= 1
+    assert torch.equal(a[~small], full[~small])
+    assert torch.allclose(a, full, rtol=0, atol=1e-15)
+
+
 # -- the direct part against components ------------------------------------------------------------
 
 @pytest.mark.parametrize("estimator", ["prediction_aware", "gauss_legendre"])
@@ -387,6 +405,10 @@ def test_bad_input():
         igg.attribution_graph(odd, ids, PROMPT)
     with pytest.raises(ValueError, match="edges must be True or False"):
         igg.attribution_graph(model, ids, PROMPT, edges=None)
+    bare = tiny_model("llama", dtype=torch.float64)  # the norms are found by the core's sublayer_norm
+    del blocks(bare)[0].input_layernorm
+    with pytest.raises(ValueError, match=r"block 1 .*cannot find the input norm .*\('input_layernorm', 'ln_1'\)"):
+        igg.attribution_graph(bare, ids, PROMPT)
 
 
 # -- adjacency among nodes ------------------------------------------------------------------------------
