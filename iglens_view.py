@@ -412,7 +412,6 @@ def to_graph_html(views: Sequence[GraphView], path, *, title: str = "", min_link
     Returns:
         The path written.
     """
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
     out = check_html_path(path)
     views = list(views)
