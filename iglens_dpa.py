@@ -657,15 +657,28 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
     return scores
 
 
-def dpa_kept(model, tokenizer, input_ids, target: int, *, min_prob: float = 0.1) -> tuple[bool, float]:
-    """The original's item filter: ``(kept, p)``, kept when the model's arg-max at the last position
-    is the target, ``p(target) > min_prob`` and the target's text is longer than one character."""
-    min_prob = plain_number(min_prob)
+DPA_MAX_CONTEXT = 400  # the original's filter: at most this many context tokens (attribution_pipe.py)
+
+
+def dpa_kept(model, tokenizer, input_ids, target: int, *, min_prob: float = 0.1,
+             max_context: int = DPA_MAX_CONTEXT) -> tuple[bool, float]:
+    """The original's item filter (experiments/attribution/attribution_pipe.py): ``(kept, p)``, kept when
+    the model's arg-max at the last position is the target, ``p(target) > min_prob``, the target's
+    token string (``tokenizer.convert_ids_to_tokens``, e.g. ``"ĠParis"``) is longer than one character
+    and the context (:func:`dpa_context`: the prompt less the tokens the tokenizer adds) holds at most
+    ``max_context`` tokens. With ``tokenizer=None`` the last two rules are not applied."""
+    min_prob, max_context = plain_number(min_prob), plain_number(max_context)
     if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
         raise ValueError(f"min_prob must be a probability in [0, 1), got {min_prob!r}")
+    if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
+        raise ValueError(f"max_context must be an integer >= 1 (tokens), got {max_context!r}")
     ids, target = dpa_item(model, input_ids, target)
     with torch.no_grad():
         probs = torch.softmax(logits_at_end(model, 1, input_ids=ids)[0, -1].double(), -1)
     p = float(probs[target])
-    text = tokenizer.decode([target]) if tokenizer is not None else "xx"
-    return bool(int(probs.argmax()) == target and p > min_prob and len(text) > 1), p
+    if tokenizer is None:
+        return bool(int(probs.argmax()) == target and p > min_prob), p
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    text = convert([target])[0] if convert is not None else tokenizer.decode([target])
+    short = int(dpa_context(tokenizer, ids.cpu()).sum()) <= max_context
+    return bool(int(probs.argmax()) == target and p > min_prob and len(text) > 1 and short), p

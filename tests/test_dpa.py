@@ -432,3 +432,26 @@ def test_bad_input(case):
         igdpa.dpa_areas(np.zeros(3), np.zeros(10))
     with pytest.raises(ValueError, match="scale"):
         igdpa.dpa_areas(np.zeros(10), np.zeros(10), scale="ln")
+
+
+def test_kept_filter_as_the_original():
+    """attribution_pipe.py's filter written out: arg-max = target, p > 0.1, the target's token string
+    longer than one character, at most 400 (here max_context) context tokens."""
+    from iglens_facts import tiny_model as facts_tiny
+    tokenizer = word_tokenizer("<bos> $A")
+    model = facts_tiny("llama", seed=3, vocab_size=11)
+    ids = torch.tensor([tokenizer("the capital of france is")["input_ids"]])  # <bos> + 5 words: context 5
+    with torch.no_grad():
+        probs = torch.softmax(model(ids).logits[0, -1].double(), -1)
+    seen = set()
+    for target in range(11):
+        for max_context in (4, 5):
+            for min_prob in (0.0, 0.1):
+                want = (int(probs.argmax()) == target and float(probs[target]) > min_prob
+                        and len(tokenizer.convert_ids_to_tokens([target])[0]) > 1 and 5 <= max_context)
+                kept, p = igdpa.dpa_kept(model, tokenizer, ids, target, min_prob=min_prob, max_context=max_context)
+                assert kept == want and abs(p - float(probs[target])) < 1e-6, (target, max_context, min_prob)
+                seen.add(kept)
+    assert seen == {True, False}  # both outcomes met (the arg-max is a word of several letters)
+    with pytest.raises(ValueError, match="max_context"):
+        igdpa.dpa_kept(model, tokenizer, ids, 3, max_context=0)
