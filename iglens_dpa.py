@@ -351,6 +351,12 @@ def dpa_areas(disrupt, recover, fractions: Optional[Sequence[float]] = None, *, 
 
 # -- integrated gradients over the component gates (the EAP-IG family) ------------------------
 
+MASK_RULES = ("adaptive", "cubic")
+MASK_PANEL_POINTS = 2  # Gauss-Legendre points per panel of the adaptive rule
+MASK_SPLIT_SHARE = 0.5  # each round bisects the panels that hold this share of the estimated gap
+MASK_RTOL = 1e-4  # a panel whose estimated gap is below this share of f's variation is not split
+
+
 class MaskIG(NamedTuple):
     """Integrated gradients over the component gates of one item (:func:`mask_ig`).
 
@@ -359,7 +365,13 @@ class MaskIG(NamedTuple):
             (0 for the components outside the context, whose gates stay at 1).
         f_on, f_off: f with every gate at 1 (the model as it is) and every varied gate at 0.
         gap: ``sum(scores) - (f_on - f_off)``, the completeness gap of the quadrature.
-        steps: quadrature points; quantity: f.
+        steps: quadrature points (gradient passes); quantity: f.
+        rule: ``"adaptive"`` or ``"cubic"``.
+        panels: (K+1,) float64 panel edges in u (t = u^3), 0 to 1; ``[0, 1]`` for the cubic rule.
+        nodes, weights: (steps,) float64, the points t in (0, 1) and their weights (Jacobian
+            included): ``score_i = sum_j weights[j] * d f / d g_i (nodes[j])``.
+        scan_rows: forward-only rows (one gated forward pass each, no backward) the adaptive rule
+            spent placing its panels; 0 for the cubic rule.
     """
     scores: dict
     f_on: float
@@ -367,6 +379,112 @@ class MaskIG(NamedTuple):
     gap: float
     steps: int
     quantity: str
+    rule: str = "cubic"
+    panels: Optional[np.ndarray] = None
+    nodes: Optional[np.ndarray] = None
+    weights: Optional[np.ndarray] = None
+    scan_rows: int = 0
+
+
+def gate_path_nodes(panels, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The composite rule on the panels: ``(nodes t (steps,), weights (steps,))`` float64.
+
+    Panel k, ``[panels[k], panels[k+1]]`` in u, gets ``steps // K`` Gauss-Legendre points in u (the
+    first ``steps % K`` panels one more), mapped to ``t = u^3`` with the Jacobian ``3 u^2`` in the
+    weight, so that ``int_0^1 g(t) dt ~ sum_j weights[j] g(nodes[j])``. One panel ``[0, 1]`` is the
+    cubic rule (``t = u^3`` on ``steps`` points).
+    """
+    panels = np.asarray(panels, dtype=np.float64)
+    K = len(panels) - 1
+    if panels.ndim != 1 or K < 1 or panels[0] != 0 or panels[-1] != 1 or not (np.diff(panels) > 0).all():
+        raise ValueError(f"panels must be increasing edges in u from 0 to 1, got {panels!r}")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < K:
+        raise ValueError(f"steps must be an integer >= the {K} panels (one point each at least), got {steps!r}")
+    nodes, weights = [], []
+    for k, count in enumerate(steps // K + (np.arange(K) < steps % K)):
+        x, w = np.polynomial.legendre.leggauss(int(count))  # on [-1, 1]
+        low, width = panels[k], panels[k + 1] - panels[k]
+        u = low + width * (x + 1) / 2
+        nodes.append(u ** 3)
+        weights.append(3 * u ** 2 * w * width / 2)
+    return np.concatenate(nodes), np.concatenate(weights)
+
+
+def gate_path_panels(values, steps: int, f_off: float, f_on: float, *, points: int = MASK_PANEL_POINTS,
+                     floor: float = 0.0) -> tuple[np.ndarray, int]:
+    """The adaptive rule's panels, placed from forward passes only: ``(panels (K+1,) in u, rows)``.
+
+    At most K = ``steps // points`` panels (at least 1). Each panel's completeness gap under its own
+    ``points``-point Gauss-Legendre rule is estimated without gradients: ``d f / d t`` at each node by
+    a central difference of f (exact where f is quadratic in t; its step the image in t of
+    ``width / (8 points)`` in u, inside the panel), the rule's sum of those, less
+    ``f(end) - f(start)``. Starting from ``[0, 1]``, each round bisects (in u) the panels
+    with the largest estimated |gap| that together hold ``MASK_SPLIT_SHARE`` of it, all of them in
+    one batch of rows, until K panels or until every estimate is below twice ``floor`` (then
+    :func:`gate_path_nodes` gives each panel more points: a higher order where f is smooth; one
+    panel is the cubic rule). The estimates are compared in powers of two of ``floor``, ties to the
+    earlier panel, so that rounding alone rarely moves a panel.
+
+    Args:
+        values: a function from (B,) float64 t in [0, 1] to (B,) float64 f along the gate path.
+        steps: the gradient points the rule will have (:func:`gate_path_nodes`).
+        f_off, f_on: f at t = 0 and t = 1.
+        points: Gauss-Legendre points per panel (1..64).
+        floor: >= 0, the rounding of f as a central difference sees it: estimates below twice it
+            count as 0, the others are compared in powers of two of it (0: as they are).
+
+    Returns:
+        ``(panels, rows)``: the edges in u (0 to 1) and the number of f values computed.
+    """
+    if isinstance(points, bool) or not isinstance(points, (int, np.integer)) or not 1 <= points <= 64:
+        raise ValueError(f"points must be an integer in 1..64 (Gauss-Legendre points per panel), got {points!r}")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    for name, value in (("f_off", f_off), ("f_on", f_on), ("floor", floor)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(value) or (name == "floor" and value < 0):
+            raise ValueError(f"{name} must be a finite number{' >= 0' * (name == 'floor')}, got {value!r}")
+    x, w = np.polynomial.legendre.leggauss(int(points))
+    x, w = (x + 1) / 2, w / 2  # on [0, 1]
+
+    def estimates(pieces):  # [(a, b, f(a), f(b))] in u -> estimated gaps, from one batch of 2 q rows each
+        a, b, fa, fb = (np.array(column, dtype=np.float64)[:, None] for column in zip(*pieces))  # (P, 1)
+        u = a + (b - a) * x  # (P, q) nodes in u
+        t = u ** 3
+        step = np.minimum(3 * u ** 2 * (b - a) / (8 * points), np.minimum(t - a ** 3, b ** 3 - t) / 2)  # in t
+        f = np.asarray(values(np.concatenate([(t - step).ravel(), (t + step).ravel()])), np.float64)
+        if f.shape != (2 * t.size,) or not np.isfinite(f).all():
+            raise ValueError(f"values must map ({2 * t.size},) points t to as many finite numbers, got shape {f.shape}")
+        slopes = (f[t.size:] - f[:t.size]).reshape(t.shape) / (2 * step)  # (P, q) d f / d t
+        return list((slopes * 3 * u ** 2 * w * (b - a)).sum(1) - (fb - fa)[:, 0])
+
+    K = max(1, int(steps) // int(points))
+    panels, ends = [0.0, 1.0], [float(f_off), float(f_on)]
+    gaps = estimates([(0.0, 1.0, ends[0], ends[1])]) if K > 1 else [0.0]
+    rows = 2 * int(points) * (K > 1)
+    while len(panels) - 1 < K:
+        size = np.abs(gaps)
+        base = max(floor, MASK_RTOL * float(np.abs(np.diff(ends)).sum()))
+        if base > 0:  # in powers of two of the base, 0 below twice it: rounding rarely reorders panels
+            size = np.exp2(np.floor(np.log2(np.maximum(size, base) / base))) - 1.0
+        if size.max() == 0:  # every panel exact to f's rounding: its points go to more points per panel
+            break
+        order = np.argsort(-size, kind="stable")
+        held = np.cumsum(size[order])
+        chosen = order[:int(np.searchsorted(held, MASK_SPLIT_SHARE * held[-1])) + 1]
+        chosen = np.sort(chosen[:K - (len(panels) - 1)])
+        middles = [(panels[k] + panels[k + 1]) / 2 for k in chosen]
+        f_mid = np.asarray(values(np.array(middles) ** 3), np.float64)
+        pieces = []
+        for k, middle, f in zip(chosen, middles, f_mid):
+            pieces += [(panels[k], middle, ends[k], f), (middle, panels[k + 1], f, ends[k + 1])]
+        new = estimates(pieces)
+        rows += len(middles) + 2 * int(points) * len(pieces)
+        for i, k in reversed(list(enumerate(chosen))):  # from the right: the indices to the left hold
+            panels.insert(k + 1, middles[i])
+            ends.insert(k + 1, float(f_mid[i]))
+            gaps[k:k + 1] = new[2 * i:2 * i + 2]
+    return np.array(panels), rows
 
 
 def _target_values(logits: torch.Tensor, target: int, quantity: str) -> torch.Tensor:
@@ -377,50 +495,76 @@ def _target_values(logits: torch.Tensor, target: int, quantity: str) -> torch.Te
     return (torch.softmax if quantity == "prob" else torch.log_softmax)(logits, -1)[:, target]
 
 
+def _gate_levels(level: torch.Tensor, vary_edges: torch.Tensor, vary_neurons: torch.Tensor, n: int, H: int,
+                 d_ff: int, grad: bool) -> tuple[list, list]:
+    """Per block, the edge gates (B, H, S, S) and neuron gates (B, S, d_ff): ``level`` (B,) where varied, 1
+    elsewhere; leaves of their own that require grad with ``grad``, else one shared view."""
+    B, S = len(level), vary_edges.shape[0]
+    edges = torch.where(vary_edges, level[:, None, None, None], 1.0).expand(B, H, S, S)
+    neurons = torch.where(vary_neurons, level[:, None, None], 1.0).expand(B, S, d_ff)
+    if not grad:
+        return [edges] * n, [neurons] * n
+    return ([edges.clone().requires_grad_(True) for _ in range(n)],
+            [neurons.clone().requires_grad_(True) for _ in range(n)])
+
+
 def _mask_ig(model, ids: torch.Tensor, target: int, steps: int, quantity: str, context: np.ndarray,
-             batch_size: Optional[int], memory_budget: int) -> MaskIG:
+             batch_size: Optional[int], memory_budget: int, rule: str = "adaptive") -> MaskIG:
     n, H, d_ff = dpa_layout(model)
     S, param = ids.shape[1], next(model.parameters())
     inside = torch.from_numpy(context).to(ids.device)
     vary_edges, vary_neurons = inside[:, None] & inside[None, :], inside[:, None]  # (S, S), (S, 1)
-    u, w = quadrature("gauss_legendre", steps)  # (m,) nodes in (0, 1), weights summing to 1
-    t, weight = u ** 3, 3 * u ** 2 * w  # t = u^3 crowds the points near 0, where the norms rescale
     vocab = model.get_input_embeddings().num_embeddings
-    per_row = (param.element_size() * n * (6 * H * S * S + S * (6 * d_ff + 16 * model.config.hidden_size))
-               + 32 * vocab)  # kept for the backward: every block's weights, activations, states
-    batch = batch_size or max(1, min(steps, memory_budget // per_row))
-    scores = _empty_scores(n, H, S, d_ff)
-    for start in range(0, steps, batch):
-        level = t[start:start + batch].to(device=ids.device, dtype=param.dtype)[:, None, None, None]  # (B,1,1,1)
-        B = len(level)
-        edges = [torch.where(vary_edges, level, 1.0).expand(B, H, S, S).clone().requires_grad_(True)
-                 for _ in range(n)]
-        neurons = [torch.where(vary_neurons, level[:, 0], 1.0).expand(B, S, d_ff).clone().requires_grad_(True)
-                   for _ in range(n)]
-        with torch.enable_grad(), frozen_parameters(model), gated_run(model, edges, neurons):
-            values = _target_values(logits_at_end(model, 1, input_ids=ids.expand(B, -1))[:, -1], target, quantity)
-            grads = torch.autograd.grad(values.sum(), edges + neurons)  # rows are independent
-        rows = weight[start:start + batch]
-        scores["edges"] += torch.einsum("b,lbhqk->lhqk", rows, torch.stack(grads[:n]).double().cpu())
-        scores["neurons"] += torch.einsum("b,lbsi->lsi", rows, torch.stack(grads[n:]).double().cpu())
-    scores["edges"] *= vary_edges.cpu()
-    scores["neurons"] *= vary_neurons.cpu()
+    per_block = param.element_size() * (6 * H * S * S + S * (6 * d_ff + 16 * model.config.hidden_size))
+    per_row = n * per_block + 32 * vocab  # kept for the backward: every block's weights, activations, states
     off = ([(~vary_edges).to(param.dtype)[None, None]] * n, [(~vary_neurons).to(param.dtype)[None]] * n)
     f_ends = []
     for gates in (([None] * n, [None] * n), off):  # eager attention in both, as along the path
         with torch.no_grad(), gated_run(model, *gates):
             f_ends.append(float(_target_values(logits_at_end(model, 1, input_ids=ids)[:, -1], target, quantity)[0]))
     f_on, f_off = f_ends
+    panels, scan_rows = np.array([0.0, 1.0]), 0
+    if rule == "adaptive":
+        scan_batch = batch_size or max(1, memory_budget // (per_block + 32 * vocab))
+
+        def path_values(t: np.ndarray) -> np.ndarray:  # (B,) f along the path, forward passes only
+            out = []
+            for start in range(0, len(t), scan_batch):
+                level = torch.as_tensor(t[start:start + scan_batch], device=ids.device, dtype=param.dtype)
+                gates = _gate_levels(level, vary_edges, vary_neurons, n, H, d_ff, False)
+                with torch.no_grad(), gated_run(model, *gates):
+                    logits = logits_at_end(model, 1, input_ids=ids.expand(len(level), -1))[:, -1]
+                    out += _target_values(logits, target, quantity).tolist()
+            return np.array(out)
+        floor = 256 * torch.finfo(param.dtype).eps * max(1.0, abs(f_on), abs(f_off))  # f's rounding, differenced
+        panels, scan_rows = gate_path_panels(path_values, steps, f_off, f_on, floor=floor)
+    nodes, weights = gate_path_nodes(panels, steps)
+    t, weight = torch.from_numpy(nodes), torch.from_numpy(weights)
+    batch = batch_size or max(1, min(steps, memory_budget // per_row))
+    scores = _empty_scores(n, H, S, d_ff)
+    for start in range(0, steps, batch):
+        level = t[start:start + batch].to(device=ids.device, dtype=param.dtype)  # (B,)
+        edges, neurons = _gate_levels(level, vary_edges, vary_neurons, n, H, d_ff, True)
+        with torch.enable_grad(), frozen_parameters(model), gated_run(model, edges, neurons):
+            logits = logits_at_end(model, 1, input_ids=ids.expand(len(level), -1))[:, -1]
+            grads = torch.autograd.grad(_target_values(logits, target, quantity).sum(), edges + neurons)  # rows independent
+        rows = weight[start:start + batch]
+        scores["edges"] += torch.einsum("b,lbhqk->lhqk", rows, torch.stack(grads[:n]).double().cpu())
+        scores["neurons"] += torch.einsum("b,lbsi->lsi", rows, torch.stack(grads[n:]).double().cpu())
+    scores["edges"] *= vary_edges.cpu()
+    scores["neurons"] *= vary_neurons.cpu()
     total = float(scores["edges"].sum() + scores["neurons"].sum())
-    return MaskIG(scores, f_on, f_off, total - (f_on - f_off), steps, quantity)
+    return MaskIG(scores, f_on, f_off, total - (f_on - f_off), steps, quantity, rule, panels, nodes, weights, scan_rows)
 
 
-def _check_mask_args(steps, quantity, batch_size, memory_budget) -> int:
+def _check_mask_args(steps, quantity, batch_size, memory_budget, rule="adaptive") -> int:
     steps = plain_number(steps)
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 10 ** 4:
         raise ValueError(f"steps must be an integer in 1..10000 (quadrature points on the gate path), got {steps!r}")
     if quantity not in MASK_QUANTITIES:
         raise ValueError(f"quantity must be one of {MASK_QUANTITIES}, got {quantity!r}")
+    if not isinstance(rule, str) or rule not in MASK_RULES:
+        raise ValueError(f"rule must be one of {MASK_RULES} (the gate path's quadrature), got {rule!r}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
                                    or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
@@ -429,8 +573,8 @@ def _check_mask_args(steps, quantity, batch_size, memory_budget) -> int:
 
 
 @torch.no_grad()
-def mask_ig(model, input_ids, target: int, *, steps: int = 32, quantity: str = "prob", context=None,
-            batch_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> MaskIG:
+def mask_ig(model, input_ids, target: int, *, steps: int = 32, rule: str = "adaptive", quantity: str = "prob",
+            context=None, batch_size: Optional[int] = None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> MaskIG:
     """Total effect of every edge and neuron by integrated gradients over the component gates.
 
     The EAP-IG family (MIB's circuit track) on :func:`dpa_ablation`'s components: every edge gate
@@ -438,31 +582,44 @@ def mask_ig(model, input_ids, target: int, *, steps: int = 32, quantity: str = "
     input, each times its gate) is scaled together by t from 0 (all zeroed) to 1 (the model as it
     is), and each gate's gradient of f is integrated along that path, times (1 - 0):
     ``score_i = int_0^1 d f / d g_i (t) dt``. By the gradient theorem the scores add up to
-    ``f(all on) - f(all off)``; the quadrature's shortfall is returned as ``gap``. The integrand is
-    sharp near t = 0 (the norms rescale whatever is left), so the rule crowds its points there:
-    ``t = u^3`` on ``steps`` Gauss-Legendre points in u, Jacobian ``3 u^2`` included. Cost:
-    ``steps`` forward and backward passes (rows batched per pass).
+    ``f(all on) - f(all off)``; the quadrature's shortfall is returned as ``gap``. Cost: ``steps``
+    forward and backward passes (rows batched per pass), and for the adaptive rule the forward-only
+    rows that place its panels.
+
+    Rules (both in u with ``t = u^3``, Jacobian ``3 u^2`` included: points crowded near t = 0, where
+    the norms rescale whatever is left):
+
+    - ``"adaptive"`` (default): a composite Gauss-Legendre rule, 2 points on each of ``steps // 2``
+      panels placed by bisection where f along the path bends (:func:`gate_path_panels`: each
+      panel's completeness gap estimated from forward passes only, by central differences of f).
+      Costs about ``4 steps`` forward-only rows (no backward) in about ``log2(steps) + a few``
+      batches besides the gradient passes. On SmolLM2, whose f along the path has narrow bumps, it
+      converges where the cubic rule does not (README, "A peer's benchmark").
+    - ``"cubic"``: one panel, ``steps`` Gauss-Legendre points in u: exact to high order where f is
+      smooth in u (Gemma 3), misses bumps narrower than its spacing.
 
     Args:
         model, input_ids, target: as :func:`dpa_ablation`.
-        steps: Gauss-Legendre points in u (1..10000).
+        steps: gradient points (1..10000).
+        rule: :data:`MASK_RULES`.
         quantity: f: ``"prob"`` (p(target) at the last position), ``"logprob"`` or ``"logit"``.
         context: (S,) bool (:func:`dpa_context`); the gates outside it stay at 1 and score 0, so
             the path ends where the benchmark's recover does at x = 0. None: every position.
-        batch_size: quadrature points per pass, or None (as many as ``memory_budget`` allows).
+        batch_size: rows per pass (the gradient points, and the adaptive rule's forward-only rows),
+            or None (as many as ``memory_budget`` allows).
 
     Returns:
         :class:`MaskIG`.
     """
-    steps = _check_mask_args(steps, quantity, batch_size, memory_budget)
+    steps = _check_mask_args(steps, quantity, batch_size, memory_budget, rule)
     ids, target = dpa_item(model, input_ids, target)
     return _mask_ig(model, ids, target, steps, quantity, _check_context(context, ids.shape[1]), batch_size,
-                    memory_budget)
+                    memory_budget, rule)
 
 
 def mask_ig_gaps(model, input_ids, target: int, steps: Sequence[int] = (8, 16, 32, 64), **kwargs) -> dict:
     """``{m: gap}``: :func:`mask_ig`'s completeness gap ``sum(scores) - (f_on - f_off)`` for each
-    number of points m (keyword arguments as :func:`mask_ig`)."""
+    number of points m (keyword arguments as :func:`mask_ig`, ``rule`` among them)."""
     if isinstance(steps, (int, np.integer)) or not len(steps):
         raise ValueError(f"steps must be a non-empty sequence of point counts, got {steps!r}")
     return {int(m): mask_ig(model, input_ids, target, steps=m, **kwargs).gap for m in steps}
@@ -564,8 +721,8 @@ def _ig_lens_scores(model, ids: torch.Tensor, target: int, estimator: str, steps
 
 @torch.no_grad()
 def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, steps: int = 16,
-               mask_steps: int = 32, quantity: str = "prob", subset: int = 128, context=None,
-               readout: Optional[Readout] = None, batch_size: Optional[int] = None,
+               mask_steps: int = 32, mask_rule: str = "adaptive", quantity: str = "prob", subset: int = 128,
+               context=None, readout: Optional[Readout] = None, batch_size: Optional[int] = None,
                memory_budget: int = DEFAULT_MEMORY_BUDGET) -> dict:
     """A method's score of every attention edge and MLP neuron of one item, for :func:`dpa_ablation`.
 
@@ -582,7 +739,7 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
       log p) at every position: its edges (block, head, query, key) and neurons (block, position,
       neuron), the credit that flows through each with the patterns and norms fixed.
     - ``"mask_ig"``: :func:`mask_ig`, integrated gradients of ``quantity`` over the component gates
-      (``mask_steps`` points, gates outside ``context`` held at 1).
+      (``mask_steps`` points, ``mask_rule`` its quadrature, gates outside ``context`` held at 1).
     - ``"atp"``: DPA's AtP (component_attribution_modules.py ``AtPComponentAttribution``), the
       activation (a post-softmax weight, a down projection's input) times the gradient of the
       target's **logit** at the last position, ``a * d logit / d a``, every position (one forward,
@@ -620,7 +777,7 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     check_quantity(quantity)
-    mask_steps = _check_mask_args(mask_steps, quantity, batch_size, memory_budget)
+    mask_steps = _check_mask_args(mask_steps, quantity, batch_size, memory_budget, mask_rule)
     ids, target = dpa_item(model, input_ids, target)
     n, H, d_ff = dpa_layout(model)
     S = ids.shape[1]
@@ -633,7 +790,7 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
                                   quantity=quantity, readout=readout, edges=True)
         return {"edges": graph.edges[:, :, :S, :S].double().cpu(), "neurons": graph.neurons[:, :S].double().cpu()}
     if method == "mask_ig":
-        return _mask_ig(model, ids, target, mask_steps, quantity, context, batch_size, memory_budget).scores
+        return _mask_ig(model, ids, target, mask_steps, quantity, context, batch_size, memory_budget, mask_rule).scores
     if method == "dpa":
         return {key: value for key, value in dpa_attribution(model, ids, target).items() if key in ("edges", "neurons")}
     if method == "random":

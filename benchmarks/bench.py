@@ -1094,8 +1094,9 @@ def item14_dpa(ctx) -> None:
         gap = igdpa.mask_ig(model, ids, target, steps=MASK_STEPS)
         for name, what in (("graph", "IG-Lens graph scores (attribution_graph with edges: every edge and neuron "
                                      "at every position, prediction-aware m=16)"),
-                           ("mask_ig", f"mask IG scores (m={MASK_STEPS} forward and backward passes over the gate "
-                                       f"path, batched; completeness gap {gap.gap:.0e} of p(on) - p(off) = "
+                           ("mask_ig", f"mask IG scores ({gap.rule} rule: m={MASK_STEPS} forward and backward "
+                                       f"passes over the gate path, batched, after {gap.scan_rows} forward-only rows "
+                                       f"placing its panels; completeness gap {gap.gap:.0e} of p(on) - p(off) = "
                                        f"{gap.f_on - gap.f_off:.3f})"),
                            ("dpa", "DPA scores")):
             if name in best:

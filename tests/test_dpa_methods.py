@@ -1,7 +1,9 @@
 """The scores issue 34 adds to DPA's benchmark: IG-Lens's attribution graph at every position against
 an independent call of the graph (and its leaves against the model's own readout), and integrated
 gradients over the component gates against a loop written out by hand through the by-hand hooks
-(same rule, and a much finer one), exact where the model is linear in the gates."""
+(same rule, and a much finer one), exact where the model is linear in the gates; its adaptive
+quadrature against the loop on the same panels, converging where a tiny model's gate path is rough
+and on a tanh step, where the cubic rule does not."""
 import math
 
 import numpy as np
@@ -11,7 +13,7 @@ import transformers
 
 import iglens_dpa as igdpa
 import iglens_graph as iggraph
-from conftest import blocks, tiny_model
+from conftest import blocks, sharp_model, tiny_model
 from test_dpa import D_FF, HEADS, prob_by_hand, zeroed_by_hand
 
 ARCHS = ["llama", "gemma3"]
@@ -74,26 +76,38 @@ def _last_state(model, ids):
     return kept["h"][0, -1]
 
 
-def mask_ig_by_hand(model, ids, target, m, context=None, quantity="prob"):
-    """Integrated gradients over the gates written out: numpy's Gauss-Legendre nodes in u, t = u^3,
-    weight 3 u^2, one forward and backward per point through the by-hand hooks (gates on the softmax
-    output and on act_fn's output); gates outside the context held at 1."""
+def rule_by_hand(m, panels=(0.0, 1.0)):
+    """The gate path's rule written out: panel k of the edges in u gets m // K numpy Gauss-Legendre
+    points (the first m % K panels one more), t = u^3, weight 3 u^2 times the panel's share.
+    Returns [(t, weight)]."""
+    K = len(panels) - 1
+    points = []
+    for k in range(K):
+        low, high = panels[k], panels[k + 1]
+        nodes, weights = np.polynomial.legendre.leggauss(m // K + (k < m % K))
+        for x, w in zip(nodes, weights):
+            u = low + (high - low) * (x + 1) / 2
+            points.append((u ** 3, 3 * u ** 2 * w * (high - low) / 2))
+    return points
+
+
+def mask_ig_by_hand(model, ids, target, m, context=None, quantity="prob", panels=(0.0, 1.0)):
+    """Integrated gradients over the gates written out on :func:`rule_by_hand`'s points, one forward
+    and backward per point through the by-hand hooks (gates on the softmax output and on act_fn's
+    output); gates outside the context held at 1."""
     n, S = len(blocks(model)), ids.shape[1]
     inside = torch.ones(S, dtype=torch.bool) if context is None else torch.as_tensor(context)
     vary_e, vary_n = (inside[:, None] & inside[None, :]).double(), inside[:, None].double()
-    nodes, weights = np.polynomial.legendre.leggauss(m)
     total_e, total_n = torch.zeros(n, HEADS, S, S, dtype=torch.float64), torch.zeros(n, S, D_FF, dtype=torch.float64)
-    for x, w in zip(nodes, weights):
-        u, w = (x + 1) / 2, w / 2
-        t = u ** 3
+    for t, weight in rule_by_hand(m, panels):
         edges = (1 + (t - 1) * vary_e).expand(n, 1, HEADS, S, S).clone().requires_grad_(True)
         neurons = (1 + (t - 1) * vary_n).expand(n, 1, S, D_FF).clone().requires_grad_(True)
         with torch.enable_grad(), zeroed_by_hand(model, edges=edges, neurons=neurons):
             logits = model(ids, use_cache=False).logits[0, -1].double()
             value = logits[target] if quantity == "logit" else torch.softmax(logits, -1)[target]
             grad_e, grad_n = torch.autograd.grad(value, (edges, neurons))
-        total_e += 3 * u ** 2 * w * grad_e[:, 0]
-        total_n += 3 * u ** 2 * w * grad_n[:, 0]
+        total_e += weight * grad_e[:, 0]
+        total_n += weight * grad_n[:, 0]
     return total_e * vary_e, total_n * vary_n
 
 
@@ -103,7 +117,8 @@ def test_mask_ig_against_a_loop_by_hand(case, bos):
     S = ids.shape[1]
     context = np.ones(S, bool)
     context[0] = not bos
-    result = igdpa.mask_ig(model, ids, target, steps=6, context=context)
+    result = igdpa.mask_ig(model, ids, target, steps=6, context=context, rule="cubic")
+    assert result.rule == "cubic" and list(result.panels) == [0.0, 1.0] and result.scan_rows == 0
     edges, neurons = mask_ig_by_hand(model, ids, target, 6, context=context)
     assert float(edges.abs().max()) > 1e-5 and float(neurons.abs().max()) > 1e-5
     # transformers' eager softmax runs in float32: rows batched here and one by one there round apart
@@ -124,11 +139,12 @@ def test_mask_ig_against_a_loop_by_hand(case, bos):
     assert math.isclose(result.gap, total - (result.f_on - result.f_off), rel_tol=0, abs_tol=1e-15)
 
 
-def test_mask_ig_converges_as_m_grows(case):
+@pytest.mark.parametrize("rule", igdpa.MASK_RULES)
+def test_mask_ig_converges_as_m_grows(case, rule):
     """The completeness gap shrinks with m and the scores approach a reference at m = 128 computed by
-    the loop by hand."""
+    the loop by hand (the cubic rule: this path is smooth)."""
     arch, model, ids, target = case
-    gaps = igdpa.mask_ig_gaps(model, ids, target, steps=(3, 12, 48))
+    gaps = igdpa.mask_ig_gaps(model, ids, target, steps=(3, 12, 48), rule=rule)
     assert set(gaps) == {3, 12, 48}
     assert abs(gaps[3]) > 1e-7  # the coarse rule misses: the check below can fail
     assert abs(gaps[48]) < 1e-2 * abs(gaps[3]) and abs(gaps[48]) < 1e-5
@@ -137,7 +153,7 @@ def test_mask_ig_converges_as_m_grows(case):
     assert math.isclose(float(reference.sum()), ends.f_on - ends.f_off, rel_tol=1e-6, abs_tol=1e-9)  # complete at m = 128
     errors = {}
     for m in (3, 12, 48):
-        scores = igdpa.mask_ig(model, ids, target, steps=m).scores
+        scores = igdpa.mask_ig(model, ids, target, steps=m, rule=rule).scores
         flat = torch.cat([scores["edges"].flatten(), scores["neurons"].flatten()])
         errors[m] = float((flat - reference).abs().max() / reference.abs().max())
     assert errors[48] < 1e-2 * errors[3] and errors[48] < 1e-3, errors
@@ -163,15 +179,18 @@ def one_block_llama(seed, silence):
 
 @pytest.mark.filterwarnings("ignore:float64 model")  # the final norm, an identity by its hook, matches no norm
 @pytest.mark.parametrize("silence", ["o_proj", "down_proj"])
-def test_mask_ig_is_exact_where_the_model_is_linear_in_the_gates(silence):
+@pytest.mark.parametrize("rule, steps", [("cubic", 2), ("adaptive", 2), ("adaptive", 9)])
+def test_mask_ig_is_exact_where_the_model_is_linear_in_the_gates(silence, rule, steps):
     """With the logit linear in every gate, two points are exact (they integrate the Jacobian 3 u^2
     exactly; one point would not): the scores add up to logit(all on) - logit(all off), and each
-    equals the difference made by its gate alone."""
+    equals the difference made by its gate alone. The adaptive rule's estimate is exact there too
+    (a central difference in t of a linear f): it keeps one panel."""
     model = one_block_llama(5, silence)
     ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(3))
     target = int(model(ids).logits[0, -1].argmax())
     S = ids.shape[1]
-    result = igdpa.mask_ig(model, ids, target, steps=2, quantity="logit")
+    result = igdpa.mask_ig(model, ids, target, steps=steps, quantity="logit", rule=rule)
+    assert result.rule == rule and list(result.panels) == [0.0, 1.0] and len(result.nodes) == steps
     total = float(result.scores["edges"].sum() + result.scores["neurons"].sum())
     assert abs(result.f_on - result.f_off) > 1e-2
     assert math.isclose(total, result.f_on - result.f_off, rel_tol=1e-10) and abs(result.gap) < 1e-10
@@ -191,8 +210,116 @@ def model_logit(model, ids, target, **gates):
         return model(ids, use_cache=False).logits[0, -1, target].double()
 
 
+SHARP = [("llama", 40.0, 1), ("gemma3", 10.0, 1)]
+
+
+@pytest.fixture(scope="module", params=SHARP, ids=[arch for arch, _, _ in SHARP])
+def sharp_case(request):
+    """A float64 tiny model with its matrices scaled up (conftest.sharp_model), a random prompt and its
+    arg-max next token, whose gate path is rough: Llama x40's p goes up and down in narrow bumps
+    (the cubic rule's gap stays ~0.3 of p(on) - p(off) up to m = 128), Gemma 3 x10's p rises by
+    most of its change within t < 0.002."""
+    arch, scale, seed = request.param
+    torch.set_grad_enabled(False)
+    model = sharp_model(arch, seed=seed, dtype=torch.float64, scale=scale)
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(2))
+    return arch, model, ids, int(model(ids).logits[0, -1].argmax())
+
+
+def test_adaptive_rule_against_a_loop_by_hand(sharp_case):
+    """The adaptive rule's scores are the loop by hand on its own panels, and its points are the
+    composite rule written out on them."""
+    arch, model, ids, target = sharp_case
+    result = igdpa.mask_ig(model, ids, target, steps=16)  # the default rule
+    assert result.rule == "adaptive" and result.scan_rows > 0
+    widths = np.diff(result.panels)
+    assert len(widths) == 8 and widths.max() > 4 * widths.min()  # bisected where the path bends, not evenly
+    by_hand = np.array(rule_by_hand(16, result.panels))
+    np.testing.assert_allclose(np.stack([result.nodes, result.weights], 1), by_hand, rtol=1e-13, atol=0)
+    edges, neurons = mask_ig_by_hand(model, ids, target, 16, panels=result.panels)
+    for ours, theirs in ((result.scores["edges"], edges), (result.scores["neurons"], neurons)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6 * float(theirs.abs().max()))
+
+
+def test_adaptive_rule_converges_on_a_sharp_step(sharp_case):
+    """Where the gate path is rough the adaptive rule's gap shrinks with m, below the cubic rule's."""
+    arch, model, ids, target = sharp_case
+    gaps = {rule: igdpa.mask_ig_gaps(model, ids, target, steps=(16, 32, 64), rule=rule) for rule in igdpa.MASK_RULES}
+    ends = igdpa.mask_ig(model, ids, target, steps=1)
+    delta = abs(ends.f_on - ends.f_off)
+    adaptive, cubic = gaps["adaptive"], gaps["cubic"]
+    assert abs(cubic[64]) > 1e-6 * delta  # the step makes the cubic rule miss: the checks below can fail
+    assert abs(adaptive[64]) < 1e-2 * abs(adaptive[16]) and abs(adaptive[64]) < 2e-3 * delta, gaps
+    assert all(abs(adaptive[m]) < 0.1 * abs(cubic[m]) for m in (32, 64)), gaps
+
+
+def test_gate_path_nodes_integrate_polynomials_in_u():
+    """On random panels the composite rule integrates 3 u^2 P(u) du exactly for P of degree up to
+    2 c - 3 (c: the fewest points on a panel), and matches the rule written out."""
+    rng = np.random.default_rng(4)
+    for K, steps in ((1, 5), (3, 7), (6, 12), (5, 23)):
+        panels = np.concatenate([[0.0], np.sort(rng.uniform(0, 1, K - 1)), [1.0]])
+        nodes, weights = igdpa.gate_path_nodes(panels, steps)
+        np.testing.assert_allclose(np.stack([nodes, weights], 1), np.array(rule_by_hand(steps, panels)),
+                                   rtol=1e-13, atol=0)
+        degree = 2 * (steps // K) - 3
+        for _ in range(3):
+            poly = np.polynomial.Polynomial(rng.standard_normal(max(degree, 0) + 1))
+            exact = (np.polynomial.Polynomial([0, 0, 3]) * poly).integ()(1.0)
+            assert math.isclose(float(weights @ poly(np.cbrt(nodes))), exact, rel_tol=1e-12, abs_tol=1e-13)
+
+
+def test_gate_path_panels_find_a_step():
+    """On f(t) = tanh((t - t0) / w) (w = 1e-3): every round bisects only the panels that hold half
+    the estimated gap, so with K = 3 the half holding the step is split again; for larger m the
+    composite rule's gap (against the exact derivative) shrinks well below the cubic rule's."""
+    rng = np.random.default_rng(5)
+    for t0 in rng.uniform(0.2, 0.8, 3):
+        counted = []
+
+        def f(t):
+            counted.append(len(t))
+            return np.tanh((np.asarray(t) - t0) / 1e-3)
+
+        def gap(panels, m):
+            nodes, weights = igdpa.gate_path_nodes(panels, m)
+            return float(weights @ (1 - np.tanh((nodes - t0) / 1e-3) ** 2) / 1e-3 - (f_on - f_off))
+
+        f_off, f_on = f([0.0])[0], f([1.0])[0]
+        panels, rows = igdpa.gate_path_panels(f, 6, f_off, f_on)
+        half = [0.5, 0.75] if np.cbrt(t0) > 0.5 else [0.25, 0.5]
+        np.testing.assert_array_equal(panels, sorted({0.0, 1.0, *half}))
+        counted.clear()
+        panels, rows = igdpa.gate_path_panels(f, 64, f_off, f_on)
+        assert rows == sum(counted) and 8 < len(panels) - 1 <= 32  # at most m / 2 panels
+        holding = np.searchsorted(panels, np.cbrt(t0)) - 1
+        assert np.diff(panels)[holding] <= np.median(np.diff(panels))  # narrow where the step is
+        adaptive = {m: gap(igdpa.gate_path_panels(f, m, f_off, f_on)[0], m) for m in (32, 64, 128)}
+        cubic = {m: gap([0.0, 1.0], m) for m in (32, 64, 128)}
+        assert abs(adaptive[128]) < 1e-2 * abs(adaptive[32]) and abs(adaptive[128]) < 1e-3, adaptive
+        assert abs(adaptive[128]) < 1e-2 * abs(cubic[128]), (adaptive, cubic)
+
+
 def test_mask_ig_bad_input(case):
     arch, model, ids, target = case
+    with pytest.raises(ValueError, match=r"rule must be one of \('adaptive', 'cubic'\) .*got 'linear'"):
+        igdpa.mask_ig(model, ids, target, rule="linear")
+    with pytest.raises(ValueError, match=r"rule must be one of \('adaptive', 'cubic'\) .*got 3"):
+        igdpa.dpa_scores(model, ids, target, "mask_ig", mask_rule=3)
+    with pytest.raises(ValueError, match=r"panels must be increasing edges in u from 0 to 1"):
+        igdpa.gate_path_nodes([0.0, 0.7, 0.5, 1.0], 8)
+    with pytest.raises(ValueError, match=r"panels must be increasing edges in u from 0 to 1"):
+        igdpa.gate_path_nodes([0.1, 1.0], 8)
+    with pytest.raises(ValueError, match=r"steps must be an integer >= the 3 panels .*got 2"):
+        igdpa.gate_path_nodes([0.0, 0.2, 0.5, 1.0], 2)
+    with pytest.raises(ValueError, match=r"points must be an integer in 1\.\.64 .*got 0"):
+        igdpa.gate_path_panels(np.sin, 8, 0.0, 1.0, points=0)
+    with pytest.raises(ValueError, match=r"floor must be a finite number >= 0, got -1"):
+        igdpa.gate_path_panels(np.sin, 8, 0.0, 1.0, floor=-1.0)
+    with pytest.raises(ValueError, match=r"f_on must be a finite number, got nan"):
+        igdpa.gate_path_panels(np.sin, 8, 0.0, float("nan"))
+    with pytest.raises(ValueError, match=r"values must map \(4,\) points t to as many finite numbers, got shape \(2,\)"):
+        igdpa.gate_path_panels(lambda t: np.zeros(2), 8, 0.0, 1.0)
     with pytest.raises(ValueError, match=r"steps must be an integer in 1\.\.10000 .*got 0"):
         igdpa.mask_ig(model, ids, target, steps=0)
     with pytest.raises(ValueError, match=r"quantity must be one of \('prob', 'logprob', 'logit'\), got 'logits'"):
