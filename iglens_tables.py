@@ -6,12 +6,16 @@ as a table of row, id, prompt, answer, foil; every malformed file a ValueError n
 shards written atomically (:func:`write_shard`) and merged once every rank is done
 (:func:`merge_shards`), the paths of the errors and parts tables beside the results, and
 :func:`attribution_from_frame` (one item's attribution rebuilt from its rows, e.g. to draw it again).
+:class:`ItemRecords` keeps a notebook's per-item tables the same way, so that a run longer than a
+sitting resumes, or is split into shards run side by side (:func:`in_shard`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from urllib.parse import quote
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -253,6 +257,74 @@ def result_tables(results, errors, pieces=None):
     # an item's rows keep their written order (kind, rank) within its token
     pieces = pieces.drop(columns="shard", errors="ignore").sort_values(["row", "token_index"], kind="stable")
     return results.reset_index(drop=True), errors.reset_index(drop=True), pieces.reset_index(drop=True)
+
+
+def in_shard(index: int, shard: str) -> bool:
+    """Whether item ``index`` (0-based) belongs to ``shard``: ``"r/k"`` takes the items ``i % k == r``
+    (``0 <= r < k``); ``""`` takes them all."""
+    if not isinstance(shard, str):
+        raise ValueError(f"shard must be a string 'r/k' (0 <= r < k) or '', got {shard!r}")
+    if not shard:
+        return True
+    parts = shard.split("/")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts) or not 0 <= int(parts[0]) < int(parts[1]):
+        raise ValueError(f"shard must be 'r/k' with integers 0 <= r < k (items i % k == r), or '', got {shard!r}")
+    return index % int(parts[1]) == int(parts[0])
+
+
+class ItemRecords:
+    """Per-item tables of a long run, one parquet file per item and table, so that it resumes.
+
+    ``folder`` holds ``settings.json`` (the settings that decide the numbers, JSON values) and
+    ``<item id>.<table>.parquet``, written atomically (:func:`write_shard`). A run with the same
+    settings loads the items already there instead of computing them again; shards run side by
+    side (:func:`in_shard`) write disjoint items into one folder, and a last run without a shard
+    reads them all. Different settings raise a ValueError listing each difference.
+    """
+
+    def __init__(self, folder: Union[str, Path], settings: dict):
+        self.folder = Path(folder)
+        settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / "settings.json"
+        if path.exists():
+            stored = json.loads(path.read_text(encoding="utf-8"))
+            differ = [f"{key}: {stored.get(key)!r} in {self.folder}, {settings.get(key)!r} now"
+                      for key in sorted(set(stored) | set(settings)) if stored.get(key) != settings.get(key)]
+            if differ:
+                raise ValueError(f"the records in {self.folder} were made with other settings ({'; '.join(differ)});"
+                                 " run with the same settings, or give another folder")
+        elif any(self.folder.glob("*.parquet")):
+            raise ValueError(f"{self.folder} holds records but no settings.json, so resuming could mix runs: "
+                             "give an empty folder")
+        else:
+            tmp = path.with_name(".settings.json.tmp")
+            tmp.write_text(json.dumps(settings, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, path)
+
+    def _path(self, item_id, table: str) -> Path:
+        return self.folder / f"{quote(str(item_id), safe='')}.{table}.parquet"
+
+    def __contains__(self, item_id) -> bool:
+        """Every table of the item was written (the ``done`` marker is written last)."""
+        return self._path(item_id, "done").exists()
+
+    def save(self, item_id, **tables) -> None:
+        """Write the item's tables (DataFrames), then its ``done`` marker."""
+        import pandas as pd
+        for name, frame in tables.items():
+            if name == "done" or not name.isidentifier():
+                raise ValueError(f"table names must be identifiers other than 'done', got {name!r}")
+            write_shard(frame, self._path(item_id, name))
+        write_shard(pd.DataFrame({"tables": [",".join(tables)]}), self._path(item_id, "done"))
+
+    def load(self, item_id) -> dict:
+        """``{table: DataFrame}`` of an item written by :meth:`save`."""
+        import pandas as pd
+        if item_id not in self:
+            raise KeyError(f"no complete record of item {item_id!r} in {self.folder}")
+        names = pd.read_parquet(self._path(item_id, "done"))["tables"][0]
+        return {name: pd.read_parquet(self._path(item_id, name)) for name in names.split(",") if name}
 
 
 def errors_path(out: Union[str, Path]) -> Path:

@@ -1,0 +1,56 @@
+"""Per-item records of long notebook runs (iglens_tables.ItemRecords, in_shard): a run resumes."""
+import numpy as np
+import pandas as pd
+import pytest
+
+import iglens_tables as igt
+
+
+def test_in_shard_splits_the_items_into_disjoint_shards_that_cover_them():
+    rng = np.random.default_rng(0)
+    for k in rng.integers(1, 9, size=5):
+        owners = [[r for r in range(k) if igt.in_shard(i, f"{r}/{k}")] for i in range(50)]
+        assert all(len(o) == 1 for o in owners)  # every item in exactly one shard
+        assert [o[0] for o in owners] == [i % k for i in range(50)]
+    assert all(igt.in_shard(i, "") for i in range(10))
+
+
+@pytest.mark.parametrize("bad", ["2/2", "-1/2", "1", "a/b", "1/0", "1/2/3", 3, None])
+def test_in_shard_refuses_a_bad_shard_naming_it(bad):
+    with pytest.raises(ValueError, match="shard must be"):
+        igt.in_shard(0, bad)
+
+
+def test_records_round_trip_and_resume(tmp_path):
+    rng = np.random.default_rng(1)
+    settings = dict(model="m", steps=16, methods=("a", "b"))
+    records = igt.ItemRecords(tmp_path / "rec", settings)
+    curves = pd.DataFrame(dict(id="x/1", method=rng.choice(["a", "b"], 20), drop=rng.normal(size=20)))
+    gaps = pd.DataFrame(dict(gap=rng.normal(size=1)))
+    assert "x/1" not in records
+    records.save("x/1", curves=curves, gaps=gaps, empty=pd.DataFrame())
+    assert "x/1" in records and "x" not in records  # the id is quoted, not a path
+    again = igt.ItemRecords(tmp_path / "rec", dict(settings, methods=["a", "b"]))  # as JSON stores it
+    loaded = again.load("x/1")
+    assert sorted(loaded) == ["curves", "empty", "gaps"]
+    pd.testing.assert_frame_equal(loaded["curves"], curves)
+    pd.testing.assert_frame_equal(loaded["gaps"], gaps)
+    assert loaded["empty"].empty
+
+
+def test_records_refuse_other_settings_and_half_written_items(tmp_path):
+    igt.ItemRecords(tmp_path, dict(model="m", steps=16)).save("a", curves=pd.DataFrame(dict(v=[1.0])))
+    with pytest.raises(ValueError, match=r"steps: 16 in .* 8 now"):
+        igt.ItemRecords(tmp_path, dict(model="m", steps=8))
+    records = igt.ItemRecords(tmp_path, dict(model="m", steps=16))
+    (tmp_path / "a.done.parquet").unlink()  # a run killed before its marker: the item is not done
+    assert "a" not in records
+    with pytest.raises(KeyError, match="no complete record"):
+        records.load("a")
+    with pytest.raises(ValueError, match="table names"):
+        records.save("b", done=pd.DataFrame())
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "z.curves.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match="no settings.json"):
+        igt.ItemRecords(loose, {})
