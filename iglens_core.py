@@ -1483,7 +1483,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
     work = readout.dtype
     nodes = torch.cat([base[None], ends]).to(work)  # (K+1, T, d)
     targets = trace.targets
-    K, m = len(layers), int(steps)
+    m = int(steps)
 
     lens, grid = None, None  # lens: (T, K+1) f at the path nodes, the logit lens
     if profile:  # the K*m+1 points per token: the nodes and m-1 interior points per segment

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, check_quantity, collect_components, components,
-                         get_adapter, head_counts, logits_at_end, plain_number, projection_weight, quadrature,
+                         get_adapter, head_counts, logits_at_end, plain_number, projection_weight,
                          sublayer_module, sublayer_projection)
 from iglens_baselines import frozen_parameters
 from iglens_graph import attribution_graph

@@ -152,28 +152,29 @@ def frozen_copy(model, arch, points=256):
     return model
 
 
-def autograd_credit(model, ids, token, gbar):
-    """Per node L: ``(h_L (S, d), d F / d h_L (S, d))`` with ``F = sum_M <gbar_M, Delta_M(t)>`` and the
-    heads' outputs and their gradients, by autograd through ``model``; the top term's own explicit
-    ``gbar_mlp_L`` at t taken off, so that the gradient is the credit of blocks above L."""
-    n, t = len(blocks(model)), PROMPT - 1 + token
-    states, mids, heads = {}, {}, {}
+def _keep(store, key, tensor):
+    tensor.retain_grad()
+    store[key] = tensor
 
-    def keep(store, key, tensor):
-        tensor.retain_grad()
-        store[key] = tensor
 
-    hooks = []
+def state_hooks(model, states: dict, mids: dict) -> list:
+    """Hooks that keep, with their gradients, every block's input in ``states`` (the last block's output
+    as ``states[n]``) and every pre-MLP norm's input in ``mids``."""
+    hooks, n = [], len(blocks(model))
     for layer, block in enumerate(blocks(model)):
         hooks.append(block.register_forward_pre_hook(
-            lambda m, args, kwargs, layer=layer: keep(states, layer, ig.hidden_arg(args, kwargs)), with_kwargs=True))
+            lambda m, args, kwargs, layer=layer: _keep(states, layer, ig.hidden_arg(args, kwargs)), with_kwargs=True))
         norm2 = getattr(block, "ln_2", None) or getattr(block, "pre_feedforward_layernorm", None) \
             or block.post_attention_layernorm
-        hooks.append(norm2.register_forward_pre_hook(lambda m, args, layer=layer: keep(mids, layer, args[0])))
-        proj = block.attn.c_proj if hasattr(block, "attn") else block.self_attn.o_proj
-        hooks.append(proj.register_forward_pre_hook(lambda m, args, layer=layer: keep(heads, layer, args[0])))
-    hooks.append(blocks(model)[-1].register_forward_hook(
-        lambda m, args, out: keep(states, n, ig.first_output(out))))
+        hooks.append(norm2.register_forward_pre_hook(lambda m, args, layer=layer: _keep(mids, layer, args[0])))
+    hooks.append(blocks(model)[-1].register_forward_hook(lambda m, args, out: _keep(states, n, ig.first_output(out))))
+    return hooks
+
+
+def backward_top_terms(model, ids, gbar, t: int, hooks: list, states: dict, mids: dict) -> None:
+    """Run ``model`` on ``ids`` and back-propagate ``sum_L <gbar_L, the sublayer updates at t>``, then
+    remove ``hooks``."""
+    n = len(blocks(model))
     with torch.enable_grad():
         model(input_ids=ids, use_cache=False)
         total = sum(gbar[l, 0] @ (mids[l][0, t] - states[l][0, t]) + gbar[l, 1] @ (states[l + 1][0, t] - mids[l][0, t])
@@ -181,6 +182,20 @@ def autograd_credit(model, ids, token, gbar):
         total.backward()
     for hook in hooks:
         hook.remove()
+
+
+def autograd_credit(model, ids, token, gbar):
+    """Per node L: ``(h_L (S, d), d F / d h_L (S, d))`` with ``F = sum_M <gbar_M, Delta_M(t)>`` and the
+    heads' outputs and their gradients, by autograd through ``model``; the top term's own explicit
+    ``gbar_mlp_L`` at t taken off, so that the gradient is the credit of blocks above L."""
+    n, t = len(blocks(model)), PROMPT - 1 + token
+    states, mids, heads = {}, {}, {}
+
+    hooks = state_hooks(model, states, mids)
+    for layer, block in enumerate(blocks(model)):
+        proj = block.attn.c_proj if hasattr(block, "attn") else block.self_attn.o_proj
+        hooks.append(proj.register_forward_pre_hook(lambda m, args, layer=layer: _keep(heads, layer, args[0])))
+    backward_top_terms(model, ids, gbar, t, hooks, states, mids)
     out = []
     for layer in range(n + 1):
         grad = states[layer].grad[0].clone()
@@ -520,29 +535,13 @@ def autograd_direct_credit(model, ids, token, gbar, kept_heads, kept_neurons):
             return (x,) + tuple(args[1:])
         return hook
 
-    def keep(store, key, tensor):
-        tensor.retain_grad()
-        store[key] = tensor
-
-    hooks = []
+    hooks = state_hooks(model, states, mids)
     for layer, block in enumerate(blocks(model)):
-        hooks.append(block.register_forward_pre_hook(
-            lambda m, args, kwargs, layer=layer: keep(states, layer, ig.hidden_arg(args, kwargs)), with_kwargs=True))
-        norm2 = getattr(block, "ln_2", None) or getattr(block, "pre_feedforward_layernorm", None) \
-            or block.post_attention_layernorm
-        hooks.append(norm2.register_forward_pre_hook(lambda m, args, layer=layer: keep(mids, layer, args[0])))
         attn_proj = block.attn.c_proj if hasattr(block, "attn") else block.self_attn.o_proj
         mlp_proj = block.mlp.c_proj if hasattr(block, "attn") else block.mlp.down_proj
         hooks.append(attn_proj.register_forward_pre_hook(cut(heads, layer, kept_heads, True)))
         hooks.append(mlp_proj.register_forward_pre_hook(cut(neurons, layer, kept_neurons, False)))
-    hooks.append(blocks(model)[-1].register_forward_hook(lambda m, args, out: keep(states, n, ig.first_output(out))))
-    with torch.enable_grad():
-        model(input_ids=ids, use_cache=False)
-        total = sum(gbar[l, 0] @ (mids[l][0, t] - states[l][0, t]) + gbar[l, 1] @ (states[l + 1][0, t] - mids[l][0, t])
-                    for l in range(n))
-        total.backward()
-    for hook in hooks:
-        hook.remove()
+    backward_top_terms(model, ids, gbar, t, hooks, states, mids)
     S = ids.shape[1]
     return ({l: (heads[l][0].detach().view(S, H, -1), heads[l].grad[0].view(S, H, -1)) for l in range(n)},
             {l: (neurons[l, "value"][0], neurons[l].grad.sum(0)[0]) for l in range(n)},
