@@ -241,6 +241,19 @@ def onset_beats_median(scores, effects, named: Optional[Sequence[int]] = None) -
     return out
 
 
+def rank_agreement(score, effect, named: Optional[int] = None) -> dict:
+    """One item's layer scores (n,) against its ablation effects (n,), as notebook 05 tabulates them:
+    ``named_block`` (the block the method names, 1-based: ``named`` or its tolerant arg-max),
+    ``most_harmful`` (the tolerant arg-max of the effects, 1-based), ``beats_median``
+    (:func:`onset_beats_median`), ``spearman`` (:func:`spearman_rows`), ``top1`` (:func:`top1_agreement`)."""
+    s, e = np.asarray(score)[None], np.asarray(effect)[None]
+    return dict(named_block=(named if named is not None else int(top_indices(score)[0])) + 1,
+                most_harmful=int(top_indices(effect)[0]) + 1,
+                beats_median=onset_beats_median(s, e, None if named is None else [named])[0],
+                spearman=spearman_rows(s, e)[0], top1=top1_agreement(s, e)[0])
+
+
+
 def non_monotone(lens, drop: float = 0.05) -> np.ndarray:
     """(T,) True where the logit-lens trajectory falls by more than ``drop`` below its running maximum.
 

@@ -170,3 +170,17 @@ def test_tie_groups_against_a_plain_loop():
         limited = igs.tie_groups(values, tol, limit=3)
         cut = min(len(values), np.searchsorted(np.asarray(expected), expected[min(2, len(values) - 1)], side="right"))
         assert list(limited[:cut]) == expected[:cut]
+
+
+def test_rank_agreement_reads_blocks_and_metrics_off_a_case_written_by_hand():
+    """Scores peak at block 3 (index 2), effects at block 5; the named block 3's effect (0.9) beats the
+    median of the blocks scored lower (0.1, 0.2, 0.3, ... ); with ``named`` the named block moves."""
+    score = np.array([0.1, 0.2, 0.9, 0.3, 0.4])
+    effect = np.array([0.1, 0.2, 0.9, 0.3, 1.5])
+    out = igs.rank_agreement(score, effect)
+    assert out["named_block"] == 3 and out["most_harmful"] == 5
+    assert out["beats_median"] == 1.0  # 0.9 > median(0.1, 0.2, 0.3, 0.4)
+    assert out["top1"] == 0.0
+    assert out["spearman"] == pytest.approx(0.9)  # ranks 1 2 5 3 4 vs 1 2 4 3 5
+    named = igs.rank_agreement(score, effect, named=0)  # block 1: nothing scores lower
+    assert named["named_block"] == 1 and np.isnan(named["beats_median"])
