@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 import torch
 
-from iglens_core import Attribution
+from iglens_core import Attribution, model_fingerprint
 from iglens_stats import top_parts
 
 
@@ -279,10 +279,14 @@ class ItemRecords:
     ``<item id>.<table>.parquet``, written atomically (:func:`write_shard`). A run with the same
     settings loads the items already there instead of computing them again; shards run side by
     side (:func:`in_shard`) write disjoint items into one folder, and a last run without a shard
-    reads them all. Different settings raise a ValueError listing each difference.
+    reads them all. Different settings raise a ValueError listing each difference. Given the ``model``,
+    the folder also keeps its :func:`iglens_core.model_fingerprint` (``model.json``, written by the first
+    run that passes one), and a model whose sampled weights differ (1e-2 relative, so another dtype of
+    the same weights passes) raises a ValueError: a model converted again under the same name does not
+    resume into another's records.
     """
 
-    def __init__(self, folder: Union[str, Path], settings: dict):
+    def __init__(self, folder: Union[str, Path], settings: dict, model=None):
         self.folder = Path(folder)
         settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -300,6 +304,23 @@ class ItemRecords:
         else:
             tmp = path.with_name(".settings.json.tmp")
             tmp.write_text(json.dumps(settings, indent=1, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, path)
+        if model is not None:
+            self._check_model(model)
+
+    def _check_model(self, model) -> None:
+        own = model_fingerprint(model)
+        if own is None:  # offloaded weights: nothing to compare
+            return
+        path = self.folder / "model.json"
+        if path.exists():
+            stored = torch.tensor(json.loads(path.read_text(encoding="utf-8")), dtype=torch.float64)
+            if stored.shape != own.shape or not torch.allclose(stored, own, rtol=1e-2, atol=1e-8):
+                raise ValueError(f"the records in {self.folder} were made with another model's weights (they differ at "
+                                 "the sampled entries of ig.model_fingerprint, model.json there): give another folder")
+        else:
+            tmp = path.with_name(".model.json.tmp")
+            tmp.write_text(json.dumps(own.tolist()), encoding="utf-8")
             os.replace(tmp, path)
 
     def _path(self, item_id, table: str) -> Path:

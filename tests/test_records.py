@@ -54,3 +54,24 @@ def test_records_refuse_other_settings_and_half_written_items(tmp_path):
     (loose / "z.curves.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match="no settings.json"):
         igt.ItemRecords(loose, {})
+
+
+def test_records_refuse_another_models_weights_and_keep_the_first(tmp_path):
+    import torch
+    from conftest import tiny_model
+    model, other = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    settings = dict(model="tiny", steps=4)
+    records = igt.ItemRecords(tmp_path / "rec", settings, model=model)
+    records.save("a", curves=pd.DataFrame(dict(x=[1.0])))
+    assert "a" in igt.ItemRecords(tmp_path / "rec", settings, model=model)          # same weights resume
+    assert "a" in igt.ItemRecords(tmp_path / "rec", settings, model=model.double())  # another dtype of them too
+    with pytest.raises(ValueError, match="another model's weights"):
+        igt.ItemRecords(tmp_path / "rec", settings, model=other)
+    with torch.no_grad():  # one sampled weight moved by 10%: refused as well
+        model.get_input_embeddings().weight.view(-1)[0] *= 1.1
+    with pytest.raises(ValueError, match="another model's weights"):
+        igt.ItemRecords(tmp_path / "rec", settings, model=model)
+    igt.ItemRecords(tmp_path / "old", settings).save("a", curves=pd.DataFrame(dict(x=[1.0])))  # records without one
+    assert "a" in igt.ItemRecords(tmp_path / "old", settings, model=other)                  # adopt the model given
+    with pytest.raises(ValueError, match="another model's weights"):
+        igt.ItemRecords(tmp_path / "old", settings, model=model)
