@@ -298,7 +298,7 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
 
 
 def dpa_areas(disrupt, recover, fractions: Optional[Sequence[float]] = None, *, anchors: bool = True,
-              scale: str = "linear") -> dict:
+              scale: str = "linear", cap: bool = False) -> dict:
     """DPA's curve areas: ``y(x) = 100 - mean over items`` of the drops, trapezoid on linear x.
 
     ``disturb_aoc`` (lower is better: removing the top components destroys the prediction),
@@ -312,17 +312,25 @@ def dpa_areas(disrupt, recover, fractions: Optional[Sequence[float]] = None, *, 
     trapezoid over ``ln x`` divided by its range, the curve's mean height in percent (0..100 when
     p only falls), without anchors.
 
+    The original's areas are unbounded above: an item whose kept top x raises p nine-fold has a
+    drop of -800 there, and adds y = 900 to the mean, as much as nine items that keep p intact.
+    ``cap=True`` (not the original's) counts every negative drop as 0 (p at most its value with
+    every component on), so each item adds at most 100 at each fraction.
+
     Args:
         disrupt, recover: (items, F) or (F,) drops in percent from :func:`dpa_ablation` (NaN
             entries are left out of the mean).
         fractions: the F fractions; default :data:`DPA_FRACTIONS`.
         scale: ``"linear"`` (the original) or ``"log"``.
+        cap: clip each item's drops at 0 before the mean.
 
     Returns:
         ``{"disturb_aoc", "recover_aoc", "total"}`` floats.
     """
     if scale not in ("linear", "log"):
         raise ValueError(f"scale must be 'linear' or 'log', got {scale!r}")
+    if not isinstance(cap, (bool, np.bool_)):
+        raise ValueError(f"cap must be True or False, got {cap!r}")
     x = _as_scores(DPA_FRACTIONS if fractions is None else fractions, "fractions")
     if x.ndim != 1 or not x.size or not ((x > 0) & (x <= 1)).all() or np.unique(x).size != x.size:
         raise ValueError(f"fractions must be a 1-D sequence of distinct values in (0, 1], got {x}")
@@ -336,6 +344,8 @@ def dpa_areas(disrupt, recover, fractions: Optional[Sequence[float]] = None, *, 
             raise ValueError(f"{mode} drops must be numbers (items, fractions), got {str(drops)[:60]!r}") from None
         if drops.ndim != 2 or drops.shape[1] != x.size:
             raise ValueError(f"{mode} drops must have shape (items, {x.size}), got {drops.shape}")
+        if cap:
+            drops = np.maximum(drops, 0.0)  # NaN stays NaN
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             points = list(zip(x, 100.0 - np.nanmean(drops, 0)))

@@ -288,6 +288,16 @@ def test_areas_against_trapezoids_by_hand():
     assert math.isclose(log["recover_aoc"], (y.sum() - (y[0] + y[-1]) / 2) / 9, rel_tol=1e-12)
     flat = igdpa.dpa_areas(np.full((2, 10), 30.0), np.full((2, 10), 30.0), scale="log")
     assert math.isclose(flat["disturb_aoc"], 70.0) and math.isclose(flat["total"], 0.0, abs_tol=1e-12)
+    # cap: each item's negative drops (p rose) count as 0 before the mean; NaN entries stay out
+    recover[0, 3] = -500.0
+    recover[1, 3] = np.nan
+    capped = igdpa.dpa_areas(disrupt, recover, cap=True)
+    kept = [(x, 100 - np.nanmean(np.maximum(recover[:, i], 0))) for i, x in enumerate(xs)]
+    assert math.isclose(capped["recover_aoc"], trapezoid([(1e-6, 0.0), (1.0, 100.0)] + kept), rel_tol=1e-12)
+    assert capped["recover_aoc"] < igdpa.dpa_areas(disrupt, recover)["recover_aoc"]
+    assert math.isclose(capped["disturb_aoc"], expected_d, rel_tol=1e-12)  # disrupt drops here are all >= 0
+    with pytest.raises(ValueError, match="cap must be True or False, got 'yes'"):
+        igdpa.dpa_areas(disrupt, recover, cap="yes")
 
 
 def test_atp_against_autograd_and_finite_differences(case):
