@@ -7,7 +7,8 @@ shards written atomically (:func:`write_shard`) and merged once every rank is do
 (:func:`merge_shards`), the paths of the errors and parts tables beside the results, and
 :func:`attribution_from_frame` (one item's attribution rebuilt from its rows, e.g. to draw it again).
 :class:`ItemRecords` keeps a notebook's per-item tables the same way, so that a run longer than a
-sitting resumes, or is split into shards run side by side (:func:`in_shard`).
+sitting resumes, or is split into shards run side by side (:func:`in_shard`); :func:`object_frame`
+turns a nested per-item result into such a table.
 """
 
 from __future__ import annotations
@@ -346,6 +347,35 @@ class ItemRecords:
             raise KeyError(f"no complete record of item {item_id!r} in {self.folder}")
         names = pd.read_parquet(self._path(item_id, "done"))["tables"][0]
         return {name: pd.read_parquet(self._path(item_id, name)) for name in names.split(",") if name}
+
+
+def _encode(value):
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return {"__array__": value.tolist(), "dtype": str(value.dtype), "shape": list(value.shape)}
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    raise ValueError(f"object_frame stores dicts, lists, numbers, text, None and numeric numpy arrays, "
+                     f"got {type(value).__name__}")
+
+
+def _decode(value: dict):
+    if "__array__" not in value:
+        return value
+    return np.array(value["__array__"], dtype=value["dtype"]).reshape(value["shape"])
+
+
+def object_frame(value):
+    """A one-cell DataFrame holding ``value`` as JSON, so a nested per-item result (dicts and lists of
+    numbers, text, None, numpy arrays and scalars) goes into :class:`ItemRecords`; :func:`frame_object`
+    reads it back with every float bit for bit (NaN and infinities included) and arrays of their dtype.
+    Keys must be text; a tuple comes back as a list. Anything else is a ValueError naming its type."""
+    import pandas as pd
+    return pd.DataFrame({"json": [json.dumps(value, default=_encode)]})
+
+
+def frame_object(frame):
+    """The value stored by :func:`object_frame`."""
+    return json.loads(frame["json"].iloc[0], object_hook=_decode)
 
 
 def errors_path(out: Union[str, Path]) -> Path:

@@ -2,6 +2,7 @@
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 import iglens_tables as igt
 
@@ -75,3 +76,30 @@ def test_records_refuse_another_models_weights_and_keep_the_first(tmp_path):
     assert "a" in igt.ItemRecords(tmp_path / "old", settings, model=other)                  # adopt the model given
     with pytest.raises(ValueError, match="another model's weights"):
         igt.ItemRecords(tmp_path / "old", settings, model=model)
+
+
+def test_object_frame_round_trips_nested_results_bit_for_bit(tmp_path):
+    """A notebook's per-item result through object_frame, ItemRecords (parquet) and frame_object: every float
+    bit for bit (random float64 and float32 arrays with NaN, infinities, -0.0 and subnormals), ints, bools,
+    text, None, nested dicts; compared by their bytes, not by value."""
+    gen = np.random.default_rng(7)
+    wide = gen.standard_normal((3, 5)) * 10.0 ** gen.integers(-300, 300, (3, 5))
+    wide.flat[:4] = [np.nan, np.inf, -0.0, 5e-324]
+    value = {"scores": {"IG-Lens": wide, "narrow": gen.standard_normal(7).astype(np.float32)},
+             "named": {"a": np.int64(3), "b": 2}, "effects": None, "flags": np.array([True, False]),
+             "p": float(gen.random()), "half": np.float64(np.nan), "text": "Ḩanoi \"x\"", "empty": np.zeros((0, 4)),
+             "patch": {"probs": gen.random(6), "aligned": np.bool_(True)}}
+    store = igt.ItemRecords(tmp_path / "r", {"seed": 0})
+    store.save("item/1", record=igt.object_frame(value))
+    back = igt.frame_object(igt.ItemRecords(tmp_path / "r", {"seed": 0}).load("item/1")["record"])
+    assert set(back) == set(value)
+    for got, want in ((back["scores"]["IG-Lens"], wide), (back["scores"]["narrow"], value["scores"]["narrow"]),
+                      (back["flags"], value["flags"]), (back["patch"]["probs"], value["patch"]["probs"]),
+                      (back["empty"], value["empty"])):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    assert back["named"] == {"a": 3, "b": 2} and back["effects"] is None and back["text"] == value["text"]
+    assert back["p"] == value["p"] and np.isnan(back["half"]) and back["patch"]["aligned"] is True
+    with pytest.raises(ValueError, match="numeric numpy arrays, got Tensor"):
+        igt.object_frame({"x": torch.zeros(2)})
+    with pytest.raises(ValueError, match="got ndarray"):
+        igt.object_frame({"x": np.array(["a", "b"])})
