@@ -368,7 +368,8 @@ def object_frame(value):
     """A one-cell DataFrame holding ``value`` as JSON, so a nested per-item result (dicts and lists of
     numbers, text, None, numpy arrays and scalars) goes into :class:`ItemRecords`; :func:`frame_object`
     reads it back with every float bit for bit (NaN and infinities included) and arrays of their dtype.
-    Keys must be text; a tuple comes back as a list. Anything else is a ValueError naming its type."""
+    Dict keys come back as text and tuples as lists, as JSON holds them; anything else is a ValueError naming
+    its type."""
     import pandas as pd
     return pd.DataFrame({"json": [json.dumps(value, default=_encode)]})
 
