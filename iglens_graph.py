@@ -70,6 +70,7 @@ PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
 PATH_TIERS = ((1.0, 8), (2.0, 12), (4.0, 16), (8.0, 24), (16.0, 32))
 PATH_CHECK = 1e-15  # largest gap to the PATH_NODES rule, relative to max(1, |a|), for a smaller rule to be used
 REBUILD_TOLERANCE = 1e-3  # relative gap between the linearised block and the recorded states
+GRAPH_COPY_BUDGET = 2 * 2**30  # bytes of float64 weight copies the graph keeps; above, each map casts its weight at use
 _RULES: dict = {}  # nodes -> Gauss-Legendre (t (m,), w (m,)) on [0, 1]
 
 
@@ -193,10 +194,16 @@ def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where
     return candidates[best]
 
 
-def _weights(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(W (out, in), bias (out,) or None)`` float64 on the CPU."""
+def _weights(proj: nn.Module, keep: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(W (out, in), bias (out,) or None)``, the bias float64 on the CPU; the weight a float64 copy
+    there (``keep``) or the module's own tensor, cast where it is used (:func:`_f64`)."""
     weight, bias = projection_weight(proj)
-    return weight.double().cpu(), (bias.double().cpu() if bias is not None else None)
+    return (weight.double().cpu() if keep else weight.detach()), (bias.double().cpu() if bias is not None else None)
+
+
+def _f64(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as float64 on the CPU: itself when it is one, else a copy made for this use."""
+    return weight if weight.dtype == torch.float64 and weight.device.type == "cpu" else weight.to("cpu", torch.float64)
 
 
 def _block_parts(block: nn.Module, layer: int) -> dict:
@@ -543,53 +550,55 @@ class _Block:
     path integral from 0. Holds what the sweep reads (S positions, float64) and its four backward maps,
     each returning the credit of the constants it passes."""
 
-    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int, path: bool = True):
+    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int, path: bool = True, keep: bool = True):
         where = f"block {layer + 1}"  # path=False: a gated MLP's a, b are left to the caller (DPA)
+        # keep=False: the weights stay the model's tensors, cast to float64 at each use (a 1.5B model's
+        # float64 copies of every block would take ~10 GB); the numbers are the same
         x, mid, out = store[("h", layer)], store[("norm2", layer), "in"], store[("h", layer + 1)]  # (S, d)
         S, d = x.shape
         # ---- the MLP, frozen at its recorded input
         self.norm2 = _freeze_norm(part["norm2"], mid, store[("norm2", layer), "out"], where + " pre-MLP norm")
         z = self.norm2.forward(mid)  # (S, d)
-        self.W_down, self.b_down = _weights(part["down_proj"])  # (d, d_ff), (d,)
+        self.W_down, self.b_down = _weights(part["down_proj"], keep)  # (d, d_ff), (d,)
         act, self.kind, self.defect = part["act"], part["kind"], 0.0
         if self.kind == "gated":
             if isinstance(getattr(part["mlp"], "gate_up_proj", None), nn.Module):  # Phi-3: gate, then up
-                self.W_g, self.W_u = _weights(part["mlp"].gate_up_proj)[0].chunk(2, 0)  # (d_ff, d) each
+                self.W_g, self.W_u = _weights(part["mlp"].gate_up_proj, keep)[0].chunk(2, 0)  # (d_ff, d) each
             else:
-                self.W_g, self.W_u = _weights(part["mlp"].gate_proj)[0], _weights(part["mlp"].up_proj)[0]
-            self.g, self.u = z @ self.W_g.T, z @ self.W_u.T  # (S, d_ff) gate and up pre-activations
+                self.W_g, self.W_u = _weights(part["mlp"].gate_proj, keep)[0], _weights(part["mlp"].up_proj, keep)[0]
+            self.g, self.u = z @ _f64(self.W_g).T, z @ _f64(self.W_u).T  # (S, d_ff) gate and up pre-activations
             self.a, self.b, self.defect = path_coefficients(act, self.g) if path else (None, None, 0.0)
             self.m = act(self.g) * self.u  # (S, d_ff) neuron outputs
         else:
-            self.W_1, b_1 = _weights(part["mlp"].c_fc)  # (d_ff, d), (d_ff,)
+            self.W_1, b_1 = _weights(part["mlp"].c_fc, keep)  # (d_ff, d), (d_ff,)
             b_1 = b_1 if b_1 is not None else torch.zeros(self.W_1.shape[0], dtype=torch.float64)
-            p = z @ self.W_1.T  # (S, d_ff)
+            p = z @ _f64(self.W_1).T  # (S, d_ff)
             self.m, self.m_const = act(p + b_1), act(b_1).expand_as(p)
             self.slope = torch.where(p != 0, (self.m - self.m_const) / torch.where(p != 0, p, 1.0),
                                      _derivative(act, b_1).expand_as(p))  # (S, d_ff)
-        y = self.m @ self.W_down.T + (self.b_down if self.b_down is not None else 0.0)  # (S, d)
+        y = self.m @ _f64(self.W_down).T + (self.b_down if self.b_down is not None else 0.0)  # (S, d)
         self.post2 = (_freeze_norm(part["post_mlp"], y, store[("post_mlp", layer), "out"], where + " post-MLP norm")
                       if part["post_mlp"] is not None else None)
         self.rebuild = _gap(mid + (self.post2.forward(y) if self.post2 is not None else y), out)
         # ---- the attention, patterns and denominators fixed
         self.norm1 = _freeze_norm(part["norm1"], x, store[("norm1", layer), "out"], where + " input norm")
         name, module = part["values"]
-        W_v, b_v = _weights(module)
+        W_v, b_v = _weights(module, keep)
         if name == "c_attn":  # GPT-2: queries, keys, values stacked
             W_v, b_v = W_v[2 * d:], (b_v[2 * d:] if b_v is not None else None)
         elif name == "qkv_proj":  # Phi-3: H query heads, H_kv key heads, H_kv value heads
             cut = W_v.shape[0] * (H + H_kv) // (H + 2 * H_kv)
             W_v, b_v = W_v[cut:], (b_v[cut:] if b_v is not None else None)
         self.W_v, self.b_v, self.kv = W_v, b_v, (H if name == "c_attn" else H_kv)
-        v = self.norm1.forward(x) @ W_v.T + (b_v if b_v is not None else 0.0)  # (S, H_kv * hd)
+        v = self.norm1.forward(x) @ _f64(W_v).T + (b_v if b_v is not None else 0.0)  # (S, H_kv * hd)
         self.group = torch.arange(H) // (H // self.kv)
         self.v_heads = v.view(S, self.kv, -1)[:, self.group]  # (S, H, hd)
         self.A = store[("pattern", layer)]  # (H, S, S) query, key
         if self.A.shape != (H, S, S):
             raise ValueError(f"{where}: attention pattern of shape {tuple(self.A.shape)}, expected {(H, S, S)}")
         self.zh = torch.einsum("hqk,khd->qhd", self.A, self.v_heads)  # (S, H, hd)
-        self.W_o, self.b_o = _weights(part["out_proj"])  # (d, H * hd)
-        o = self.zh.reshape(S, -1) @ self.W_o.T + (self.b_o if self.b_o is not None else 0.0)  # (S, d)
+        self.W_o, self.b_o = _weights(part["out_proj"], keep)  # (d, H * hd)
+        o = self.zh.reshape(S, -1) @ _f64(self.W_o).T + (self.b_o if self.b_o is not None else 0.0)  # (S, d)
         self.post1 = (_freeze_norm(part["post_attn"], o, store[("post_attn", layer), "out"],
                                    where + " post-attention norm") if part["post_attn"] is not None else None)
         self.rebuild = max(self.rebuild, _gap(x + (self.post1.forward(o) if self.post1 is not None else o), mid))
@@ -598,14 +607,14 @@ class _Block:
         """Cotangent (S, d) on the MLP increment (or on its ``rows``) -> (S, d_ff) on each neuron's output;
         the down bias's credit."""
         c_u = self.post2.back(c_y, rows) if self.post2 is not None else c_y  # (S, d)
-        return c_u @ self.W_down, (float((c_u * self.b_down).sum()) if self.b_down is not None else 0.0)
+        return c_u @ _f64(self.W_down), (float((c_u * self.b_down).sum()) if self.b_down is not None else 0.0)
 
     def mlp_to_input(self, c_m: torch.Tensor) -> tuple[torch.Tensor, float]:
         """(S, d_ff) on the neurons' outputs -> (S, d) on ``mid``; the MLP's constants' credit."""
         if self.kind == "gated":
-            c_z, const = (c_m * self.u * self.a) @ self.W_g + (c_m * self.b) @ self.W_u, 0.0  # (S, d)
+            c_z, const = (c_m * self.u * self.a) @ _f64(self.W_g) + (c_m * self.b) @ _f64(self.W_u), 0.0  # (S, d)
         else:
-            c_z, const = (c_m * self.slope) @ self.W_1, float((c_m * self.m_const).sum())
+            c_z, const = (c_m * self.slope) @ _f64(self.W_1), float((c_m * self.m_const).sum())
         if self.norm2.beta is not None:
             const += float((c_z * self.norm2.beta).sum())
         return self.norm2.back(c_z), const
@@ -614,7 +623,7 @@ class _Block:
         """(S, d) on the attention increment (or on its ``rows``) -> (S, H, hd) on each head's output; the
         output bias's credit."""
         c_o = self.post1.back(c_y, rows) if self.post1 is not None else c_y  # (S, d)
-        back = (c_o @ self.W_o).view(c_o.shape[0], self.zh.shape[1], -1)  # (S, H, hd)
+        back = (c_o @ _f64(self.W_o)).view(c_o.shape[0], self.zh.shape[1], -1)  # (S, H, hd)
         return back, (float((c_o * self.b_o).sum()) if self.b_o is not None else 0.0)
 
     def attn_to_input(self, back: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -625,7 +634,7 @@ class _Block:
         c_v = torch.zeros(S, self.kv, c_vh.shape[-1], dtype=torch.float64).index_add_(1, self.group, c_vh)
         c_v = c_v.reshape(S, -1)  # (S, H_kv * hd)
         const = float((c_v * self.b_v).sum()) if self.b_v is not None else 0.0
-        c_x1 = c_v @ self.W_v  # (S, d)
+        c_x1 = c_v @ _f64(self.W_v)  # (S, d)
         if self.norm1.beta is not None:
             const += float((c_x1 * self.norm1.beta).sum())
         return self.norm1.back(c_x1), const
@@ -733,7 +742,9 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
                                            quantity=quantity)  # (2n, T', d), (2n+1, T')
     gbars, lenses = gbars.double().cpu(), lenses.double().cpu()
 
-    blocks = [_Block(parts[layer], store, layer, H, H_kv) for layer in range(n)]
+    copies = 8 * sum(p.numel() for block in adapter.blocks for p in block.parameters() if p.dtype != torch.float64)
+    keep = maps or copies <= GRAPH_COPY_BUDGET  # float64 copies of every block's weights, or a cast at each use
+    blocks = [_Block(parts[layer], store, layer, H, H_kv, keep=keep) for layer in range(n)]
     rebuild = max(block.rebuild for block in blocks)
     if rebuild > REBUILD_TOLERANCE:
         raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}): "

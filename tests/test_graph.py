@@ -591,3 +591,34 @@ def test_direct_adjacency_matches_autograd(arch):
         graph.adjacency([igg.Node("logit", graph.n_layers + 1, t - 1, graph.target, graph.delta)])
     with pytest.raises(ValueError, match="direct must be True or False, got 1"):
         graph.adjacency(nodes, direct=1)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "phi3", "gemma3"])
+def test_graph_without_weight_copies_is_the_same_graph(arch, monkeypatch):
+    """Above GRAPH_COPY_BUDGET (a 1.5B model: ~10 GB of float64 copies) the linearised blocks keep the model's
+    float32 weights and cast them at each use: every field of the graph is the same, bit for bit (the same
+    float64 products). Float32 models with random biases and norms: Qwen2 (qkv biases, GQA), GPT-2 (stacked
+    c_attn, a plain MLP), Phi-3 (gate and up in one projection), Gemma 3 (sandwich norms, soft-caps)."""
+    import dataclasses
+    model = model_of(arch, dtype=torch.float32) if arch in ARCHS else sharp_model(arch, seed=5, dtype=torch.float32)
+    ids = ids_of(3)
+    kept = igg.attribution_graph(model, ids, PROMPT, token=2, edges=True)
+    monkeypatch.setattr(igg, "GRAPH_COPY_BUDGET", 0)
+    recorded = {}
+    original = igg._Block.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        recorded.setdefault("dtypes", set()).add(self.W_down.dtype)
+    monkeypatch.setattr(igg._Block, "__init__", spy)
+    cast = igg.attribution_graph(model, ids, PROMPT, token=2, edges=True)
+    assert recorded["dtypes"] == {torch.float32}  # no float64 copy was kept
+    for field in dataclasses.fields(kept):
+        a, b = getattr(kept, field.name), getattr(cast, field.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), field.name
+        elif field.compare:
+            assert a == b, field.name
+    with_maps = igg.attribution_graph(model, ids, PROMPT, token=2, edges=False, maps=True)  # maps keep copies
+    assert recorded["dtypes"] == {torch.float32, torch.float64}
+    assert torch.equal(with_maps.carried, kept.carried)
