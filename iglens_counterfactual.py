@@ -1,0 +1,573 @@
+"""The counterfactual graph (issue 43): how much of ``f(clean) - f(corrupted)`` each residual state, head,
+(query, key) edge (through its value, its query and its key), neuron and token embedding holds.
+
+The zero-baseline graph (:mod:`iglens_graph`) splits p against nothing. Causal tracing, activation patching
+and circuit benchmarks ask "instead of what": a corrupted input ``x'`` of the same length (subject swapped,
+names flipped). This module splits ``Delta f = f(x) - f(x')`` for the head-once readout ``f`` (p(y), log p(y),
+or either against a foil) at the last position.
+
+Construction. Every sublayer is a map of all positions' states: the attention sublayer
+``mid = x + A(x)`` (input norm, queries, keys, values, softmax, output projection, Gemma's post-norm) and
+the MLP sublayer ``out = mid + M(mid)``. Along the straight path between the corrupted run's input of the
+sublayer and the clean run's, ``x(t) = x' + t (x - x')``, the gradient theorem gives
+``A(x) - A(x') = int_0^1 J_A(x(t)) (x - x') dt``: the softmax, the norms and the activations stay inside the
+integral, nothing is frozen, so queries and keys get their credit. Starting from the readout's gradient
+averaged on the straight line between the two final states (``cot_n``, at the last position), each sublayer
+pulls the cotangent back, ``cot_in = cot_out + int_0^1 J(x(t))^T cot_out dt`` (Gauss-Legendre nodes in
+float64, one vector-Jacobian product per node, batched), top-down to the embeddings. The share carried by
+state (node L, position s) is ``<cot_L(s), h_L(s) - h'_L(s)>``.
+
+Identities (tests/test_counterfactual.py):
+
+- complete at every cut: ``carried[L].sum()`` (and ``carried_mid[L].sum()``) equals ``delta`` up to the
+  quadrature gaps of the sublayers above (``gaps``, ``gap_readout``), which are reported and refined: a
+  sublayer whose gap exceeds ``tolerance * |delta|`` is integrated again with twice the nodes (up to
+  ``max_steps``). No error node: the gaps are the whole difference.
+- positions before the first differing token hold exactly 0 (their states are equal in both runs);
+- within a sublayer, exactly at every node (chain rule): the heads' shares add up to
+  ``<cot_(L-1) - cot_mid, x - x'>``, the neurons' to ``<cot_mid - cot_L, mid - mid'>``, and each head's
+  (query, key) edges (value, query and key parts) to its share at that query.
+
+Edge parts. Head h at query q reads ``z(q) = sum_k A(q, k) v(k)`` with ``A = softmax(cap(s))`` and
+``s(q, k) = scale <Q(q), K(k)>``; along the path ``dz(q) = sum_k [dA(q, k) v(k) + A(q, k) dv(k)]`` and
+``ds(q, k) = scale (<dQ(q), K(k)> + <Q(q), dK(k)>)``. Edge (q, k)'s value part is
+``A(q, k) <g_z(q), dv(k)>``, its query part ``g_s(q, k) scale <dQ(q), K(k)>``, its key part
+``g_s(q, k) scale <Q(q), dK(k)>`` (``g`` the gradient of the sublayer's objective, ``d`` the tangent along
+the path, both at each node), integrated with the same weights. Tangents come from forward-mode AD,
+gradients from one reverse pass: parts cost a second forward pass per node.
+
+Precision. Every block runs as a float64 copy of the model's block (made one block at a time, its norms in
+float64 as :func:`iglens_core.float64_forward` makes them), from the model's own embedding outputs, so
+the graph splits the model's function computed in float64; ``delta_model`` is the model's own readout in
+its dtype, and ``rebuild`` the largest relative gap between the float64 states and the model's.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from tqdm.auto import tqdm
+
+from iglens_core import (QUANTITIES, check_foil, check_model, check_quantity, check_sequence, eager_attention,
+                         first_output, float64_forward, get_adapter, head_counts, hidden_arg, plain_number,
+                         quadrature, sublayer_module, sublayer_norm, sublayer_projection, Readout)
+
+ATTENTION = "iglens_counterfactual"  # the attention implementation the float64 block copies run
+PARTS = ("value", "query", "key")  # the last axis of CounterfactualGraph.edges
+DEFAULT_STEPS = 16
+DEFAULT_TOLERANCE = 1e-7  # largest |gap| of one sublayer, relative to |delta|, before it is refined
+MAX_STEPS = 256
+REBUILD_TOLERANCE = 1e-3  # relative gap between the float64 copies' states and the model's
+COPY_BUDGET = 2 * 2**30  # bytes of float64 block copies kept between the recording pass and the sweep
+_CAPTURE: list = []  # the attention function appends what it read while a capture is open
+
+
+class _Stop(Exception):
+    pass
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """Eager attention, written out so that its queries, keys, raw scores, pattern and head outputs can
+    be read (and their gradients and tangents taken). Registered as :data:`ATTENTION`."""
+    groups = query.shape[1] // key.shape[1]
+    keys, values = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)  # (B, H, S, hd)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    raw = query @ keys.transpose(-1, -2) * scaling  # (B, H, S, S)
+    scores = raw if not softcap else softcap * torch.tanh(raw / softcap)
+    if attention_mask is not None:
+        mask = attention_mask[..., :keys.shape[-2]]
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.to(scores.dtype)
+    pattern = torch.softmax(scores, -1)
+    heads = pattern @ values  # (B, H, S, hd)
+    if _CAPTURE:
+        _CAPTURE[-1].update(query=query, key=key, value=value, raw=raw, pattern=pattern, heads=heads, scaling=scaling)
+    return heads.transpose(1, 2).contiguous(), pattern
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION, _attention)
+
+
+_register()
+
+
+def _as_float64(value):
+    """Floating tensors (and tuples of them) in a recorded block call as float64; the rest as it is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(torch.float64)
+    if isinstance(value, tuple):
+        return tuple(_as_float64(v) for v in value)
+    return value
+
+
+def _float64_block(block: nn.Module) -> nn.Module:
+    """A float64 copy of ``block``: norms in float64, attention by :func:`_attention`."""
+    out = copy.deepcopy(block).to(torch.float64)
+    float64_forward(out)
+    for module in out.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION
+    return out
+
+
+def _record(model, adapter, input_ids: torch.Tensor):
+    """One eager pass of ``input_ids`` (1, S), stopped at the final norm: each block's call (float64,
+    without cache arguments), the embedding output h_0 and the final norm's input h_n, (S, d) each."""
+    n = adapter.n_layers
+    calls, final = [None] * n, []
+
+    def record(layer):
+        def hook(module, args, kwargs):
+            hidden = hidden_arg(args, kwargs).detach()
+            kwargs = {k: _as_float64(v) for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values",
+                                                                               "past_key_value", "layer_past", "use_cache")}
+            rest = tuple(_as_float64(a) for a in args[1:]) if args else None  # None: the state went by keyword
+            calls[layer] = (hidden, rest, kwargs)
+        return hook
+
+    def stop(module, args, kwargs):
+        final.append(hidden_arg(args, kwargs).detach())
+        raise _Stop
+
+    hooks = [block.register_forward_pre_hook(record(layer), with_kwargs=True) for layer, block in enumerate(adapter.blocks)]
+    hooks.append(adapter.norm.register_forward_pre_hook(stop, with_kwargs=True))
+    try:
+        with eager_attention(model), torch.no_grad():
+            model(input_ids.to(next(model.parameters()).device), use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [(args, kwargs) for _, args, kwargs in calls], calls[0][0][0], final[0][0]
+
+
+def _run_block(block: nn.Module, x: torch.Tensor, call) -> torch.Tensor:
+    rest, kwargs = call
+    return first_output(block(hidden_states=x, **kwargs) if rest is None else block(x, *rest, **kwargs))
+
+
+class _Sublayers:
+    """One block's two sublayers as maps of all positions' states, on its float64 copy."""
+
+    def __init__(self, block: nn.Module, call):
+        self.block, self.call = block, call
+        attention = sublayer_module(block, "attn")
+        self.attn_out = sublayer_projection(block, "attn")[1] or attention  # what the residual adds
+        self.norm2, self.mlp = sublayer_norm(block, "mlp"), sublayer_module(block, "mlp")
+        self.down, self.post2 = sublayer_projection(block, "mlp")
+
+    def attn(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, d) block inputs -> (B, S, d) attention increments (the block run up to them)."""
+        kept = []
+
+        def keep(module, args, output):
+            kept.append(first_output(output))
+            raise _Stop
+        hook = self.attn_out.register_forward_hook(keep)
+        try:
+            _run_block(self.block, x, self.call)
+        except _Stop:
+            pass
+        finally:
+            hook.remove()
+        return kept[0]
+
+    def mlp_increment(self, mid: torch.Tensor) -> torch.Tensor:
+        """(B, S, d) mid states -> (B, S, d) MLP increments."""
+        y = self.mlp(self.norm2(mid))
+        return self.post2(y) if self.post2 is not None else y
+
+    def neurons(self, mid: torch.Tensor):
+        """The MLP increment and the input of its down projection (B, S, d_ff): the neurons' outputs."""
+        kept = []
+        hook = self.down.register_forward_pre_hook(lambda module, args: kept.append(args[0]))
+        try:
+            y = self.mlp_increment(mid)
+        finally:
+            hook.remove()
+        return y, kept[0]
+
+
+@dataclass
+class CounterfactualGraph:
+    """The split of ``delta = f(clean) - f(corrupted)`` (float64, in the unit of f) over the model.
+
+    Attributes:
+        target, foil: token ids (foil None); quantity: ``"prob"`` or ``"logprob"``.
+        input_ids, corrupted_ids: (S,) the two sequences; the readout is at the last position.
+        first: the first position where they differ (every state before it is equal in both runs).
+        f_clean, f_corrupted, delta: the readout of the float64 chain and its difference.
+        delta_model: the same difference read by the model itself, in its dtype.
+        carried: (n+1, S) ``<cot_L(s), h_L(s) - h'_L(s)>``: node 0 the token embeddings, node L block L's output.
+        carried_mid: (n, S) the same at each block's state between attention and MLP.
+        heads: (n, H, S) head h of block L at query s; neurons: (n, S, d_ff); None without ``parts``.
+        edges: (n, H, S, S, 3) (query, key) through the value, the query and the key (:data:`PARTS`);
+            sums over keys and parts to ``heads``; None without ``edges``.
+        gaps: (n, 2) each sublayer's quadrature gap ``<cot_in, dx_in> - <cot_out, dx_out>`` (attention, MLP);
+            gap_readout: ``<cot_n, dh_n> - delta``. Their sum is ``carried[0].sum() - delta``.
+        steps: (n, 2) Gauss-Legendre nodes each sublayer used; readout_steps: the readout's.
+        rebuild: largest relative gap between the float64 states and the model's own.
+        cotangents: (n+1, S, d) ``cot_L``; cotangents_mid: (n, S, d) on the states between attention and MLP;
+            states, states_mid: (2, n+1, S, d) and (2, n, S, d) the clean [0] and corrupted [1] float64 states.
+    """
+    target: int
+    foil: Optional[int]
+    quantity: str
+    input_ids: torch.Tensor
+    corrupted_ids: torch.Tensor
+    first: int
+    f_clean: float
+    f_corrupted: float
+    delta: float
+    delta_model: float
+    carried: torch.Tensor
+    carried_mid: torch.Tensor
+    heads: Optional[torch.Tensor]
+    neurons: Optional[torch.Tensor]
+    edges: Optional[torch.Tensor]
+    gaps: torch.Tensor
+    gap_readout: float
+    steps: torch.Tensor
+    readout_steps: int
+    rebuild: float
+    cotangents: torch.Tensor = field(repr=False, default=None)
+    cotangents_mid: torch.Tensor = field(repr=False, default=None)
+    states: torch.Tensor = field(repr=False, default=None)
+    states_mid: torch.Tensor = field(repr=False, default=None)
+
+    @property
+    def n_layers(self) -> int:
+        return self.carried.shape[0] - 1
+
+    @property
+    def embeddings(self) -> torch.Tensor:
+        """(S,) the token embeddings' shares (``carried[0]``)."""
+        return self.carried[0]
+
+    @property
+    def gap(self) -> float:
+        """``carried[0].sum() - delta``: every quadrature gap together (the graph's whole incompleteness)."""
+        return float(self.carried[0].sum() - self.delta)
+
+    def restoration(self) -> torch.Tensor:
+        """(S, n+1) ``carried.T / delta``: each state's share of ``delta`` in the layout of
+        :attr:`iglens_causal.CausalTrace.restoration` (a state holding all of ``delta`` reads 1)."""
+        return self.carried.T / self.delta
+
+
+class _Readout64:
+    """f and its gradient in float64: the final norm (a float64 copy), the head in float64 (a copy kept when
+    it fits :data:`COPY_BUDGET`, else cast in chunks of the vocabulary), logit scale and soft-cap as the
+    model applies them."""
+
+    def __init__(self, adapter, target: int, foil: Optional[int], quantity: str):
+        self.norm = copy.deepcopy(adapter.norm).to(torch.float64)
+        float64_forward(self.norm)
+        weight = adapter.head.weight.detach()
+        self.weight = weight.to(torch.float64) if 8 * weight.numel() <= COPY_BUDGET else weight
+        bias = getattr(adapter.head, "bias", None)
+        self.bias = bias.detach().to(torch.float64) if isinstance(bias, torch.Tensor) else None
+        self.rows = weight.shape[0] if self.weight.dtype == torch.float64 else max(1, 2 ** 24 // weight.shape[1])
+        self.scale, self.cap = adapter.logit_scale, adapter.softcap
+        self.columns = [(target, 1.0)] + ([(foil, -1.0)] if foil is not None else [])
+        self.quantity = quantity
+
+    def _chunks(self):
+        for i in range(0, self.weight.shape[0], self.rows):
+            yield slice(i, i + self.rows), self.weight[i:i + self.rows].to(torch.float64)
+
+    def __call__(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(m, d) float64 points -> f (m,) and its gradient (m, d)."""
+        x = points.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            normed = self.norm(x)  # (m, d)
+        plain = normed.detach()
+        logits = torch.cat([plain @ w.T for _, w in self._chunks()], -1)  # (m, V)
+        if self.bias is not None:
+            logits = logits + self.bias
+        logits = logits * self.scale
+        squash = torch.tanh(logits / self.cap) if self.cap else None
+        logits = self.cap * squash if self.cap else logits
+        logp = torch.log_softmax(logits, -1)
+        p = logp.exp()
+        value, grad = torch.zeros(len(x), dtype=torch.float64), torch.zeros_like(logits)
+        for token, sign in self.columns:
+            onehot = torch.zeros_like(p)
+            onehot[:, token] = 1.0
+            if self.quantity == "prob":
+                value += sign * p[:, token]
+                grad += sign * p[:, token, None] * (onehot - p)
+            else:
+                value += sign * logp[:, token]
+                grad += sign * (onehot - p)
+        if self.cap:
+            grad = grad * (1 - squash ** 2)
+        grad = grad * self.scale
+        g_normed = sum(grad[:, rows] @ w for rows, w in self._chunks())
+        (g_x,) = torch.autograd.grad(normed, x, g_normed)
+        return value.detach(), g_x
+
+
+def _nodes(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quadrature("gauss_legendre", steps)
+
+
+def _pull(fn, start: torch.Tensor, end: torch.Tensor, cot: torch.Tensor, steps: int, batch: int):
+    """``sum_k w_k J_fn(x_k)^T cot`` over the Gauss-Legendre nodes of the straight path start -> end (S, d)."""
+    alphas, weights = _nodes(steps)
+    delta = end - start
+    out = torch.zeros_like(start)
+    for i in range(0, steps, batch):
+        a, w = alphas[i:i + batch], weights[i:i + batch]
+        x = (start + a[:, None, None] * delta).requires_grad_(True)  # (b, S, d)
+        with torch.enable_grad():
+            y = fn(x)
+            (grad,) = torch.autograd.grad((y * cot).sum(-1).sum(-1) @ w, x)
+        out += grad.sum(0)
+    return out
+
+
+def _attention_parts(sub: _Sublayers, start, end, cot, steps, batch, edges: bool):
+    """Heads (H, S) and edges (H, S, S, 3) of one attention sublayer for the cotangent ``cot`` on its output."""
+    alphas, weights = _nodes(steps)
+    delta = end - start
+    heads_out, edges_out = 0.0, 0.0
+    for i in range(0, steps, batch):
+        a, w = alphas[i:i + batch], weights[i:i + batch]
+        x = start + a[:, None, None] * delta
+        _CAPTURE.append({})
+        try:
+            with torch.no_grad(), fwAD.dual_level():
+                sub.attn(fwAD.make_dual(x, delta.expand_as(x).contiguous()))
+                tangents = {k: fwAD.unpack_dual(v).tangent for k, v in _CAPTURE[-1].items() if isinstance(v, torch.Tensor)}
+            _CAPTURE[-1] = {}
+            with torch.enable_grad():
+                x = x.requires_grad_(True)
+                y = sub.attn(x)
+                seen = _CAPTURE[-1]
+                g_heads, g_raw = torch.autograd.grad((y * cot).sum(-1).sum(-1) @ w, [seen["heads"], seen["raw"]])
+        finally:
+            _CAPTURE.pop()
+        heads_out = heads_out + (g_heads * tangents["heads"]).sum(-1).sum(0)  # (H, S); w is in g
+        if edges:
+            groups = seen["query"].shape[1] // seen["key"].shape[1]
+            q, k = seen["query"].detach(), seen["key"].detach().repeat_interleave(groups, 1)
+            dq, dk = tangents["query"], tangents["key"].repeat_interleave(groups, 1)
+            dv = tangents["value"].repeat_interleave(groups, 1)
+            value = seen["pattern"].detach() * (g_heads @ dv.transpose(-1, -2))  # (b, H, S, S)
+            query = g_raw * seen["scaling"] * (dq @ k.transpose(-1, -2))
+            key = g_raw * seen["scaling"] * (q @ dk.transpose(-1, -2))
+            edges_out = edges_out + torch.stack([value, query, key], -1).sum(0)
+    return heads_out, (edges_out if edges else None)
+
+
+def _mlp_parts(sub: _Sublayers, start, end, cot, steps, batch):
+    """(S, d_ff) the neurons' shares of one MLP sublayer for the cotangent ``cot`` on its output."""
+    alphas, weights = _nodes(steps)
+    delta = end - start
+    out = 0.0
+    for i in range(0, steps, batch):
+        a, w = alphas[i:i + batch], weights[i:i + batch]
+        x = start + a[:, None, None] * delta
+        with torch.no_grad(), fwAD.dual_level():
+            _, u = sub.neurons(fwAD.make_dual(x, delta.expand_as(x).contiguous()))
+            du = fwAD.unpack_dual(u).tangent
+        with torch.enable_grad():
+            y, u = sub.neurons(x.requires_grad_(True))
+            (g_u,) = torch.autograd.grad((y * cot).sum(-1).sum(-1) @ w, u)
+        out = out + (g_u * du).sum(0)
+    return out
+
+
+def _check_int(name: str, value, low: int, high: int) -> int:
+    value = plain_number(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    return int(value)
+
+
+def _refined(compute, gap_of, steps: int, limit: float, max_steps: int):
+    """``compute(steps)``, with twice the nodes while ``|gap_of(result)| > limit`` and steps < max_steps."""
+    result = compute(steps)
+    while abs(gap_of(result)) > limit and steps * 2 <= max_steps:
+        steps *= 2
+        result = compute(steps)
+    return result, steps
+
+
+def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quantity: str = "prob", foil=None,
+                         steps: int = DEFAULT_STEPS, tolerance: float = DEFAULT_TOLERANCE,
+                         max_steps: int = MAX_STEPS, parts: bool = True, edges: bool = False,
+                         batch: int = 16, min_delta: float = 0.0, progress: bool = False) -> CounterfactualGraph:
+    """The exact counterfactual graph of ``target`` at the last position of ``clean_ids`` against
+    ``corrupted_ids`` (see the module docstring).
+
+    Args:
+        model: a Hugging Face causal LM in eval mode (Llama family, Qwen2/3, Gemma 2/3, GPT-2, ...).
+        clean_ids, corrupted_ids: (1, S) or (S,) token ids of the same length, differing somewhere.
+        target: token id of the answer read at the last position; foil: a token id for f = f(y) - f(foil).
+        quantity: ``"prob"`` (p(y)) or ``"logprob"`` (log p(y); with a foil the logit difference).
+        steps: Gauss-Legendre nodes per sublayer and for the readout to start with, 1..max_steps.
+        tolerance: a sublayer whose gap exceeds ``tolerance * |delta|`` is integrated again with twice the
+            nodes, up to ``max_steps``; the gaps left are reported (``gaps``, ``gap_readout``).
+        parts: also split each block over heads and neurons (a second, forward-mode pass per node).
+        edges: also split each head over (query, key) edges and value / query / key parts ((n, H, S, S, 3)).
+        batch: path nodes per pass (memory); min_delta: smallest |delta| accepted.
+        progress: a progress bar over the blocks.
+
+    Returns:
+        :class:`CounterfactualGraph`.
+
+    Raises:
+        ValueError: lengths differ, the inputs are identical, the corruption moves f by no more than
+            ``min_delta`` (or not at all), a bad argument (named, with its valid range), an architecture whose
+            blocks this construction cannot rebuild.
+    """
+    check_model(model)
+    if isinstance(model, nn.Module) and model.training:
+        raise ValueError("the model is in training mode (dropout would change the pass): call model.eval() first")
+    clean = check_sequence(model, clean_ids, None)
+    corrupted = check_sequence(model, corrupted_ids, None)
+    if clean.shape != corrupted.shape:
+        raise ValueError(f"clean_ids and corrupted_ids must have the same length (positions align), got "
+                         f"{clean.shape[1]} and {corrupted.shape[1]}: pick a corruption of the same token length")
+    differ = (clean[0] != corrupted[0]).nonzero()[:, 0]
+    if not len(differ):
+        raise ValueError("clean_ids and corrupted_ids are identical: there is no difference to split; "
+                         "corrupt the input (e.g. swap the subject)")
+    check_quantity(quantity)
+    max_steps = _check_int("max_steps", max_steps, 1, 4096)
+    steps = _check_int("steps", steps, 1, max_steps)
+    batch = _check_int("batch", batch, 1, 4096)
+    tolerance, min_delta = plain_number(tolerance), plain_number(min_delta)
+    for name, value in (("tolerance", tolerance), ("min_delta", min_delta)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    for name, flag in (("parts", parts), ("edges", edges), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    readout = Readout(model)
+    target = _check_int("target", target, 0, readout.vocab_size - 1)
+    foils = check_foil(foil, torch.tensor([target]), readout.vocab_size)
+    foil = None if foils is None else int(foils[0])
+    adapter = get_adapter(model)
+    n = adapter.n_layers
+    H, _ = head_counts(model)
+    if getattr(adapter.blocks[0], "use_parallel_residual", False) or getattr(adapter.blocks[0], "parallel_attn", False):
+        raise ValueError("parallel attention and MLP blocks are not supported by the counterfactual graph")
+
+    calls, h0, hn = _record(model, adapter, clean)
+    _, h0_bad, hn_bad = _record(model, adapter, corrupted)
+    first = int(differ[0])
+    S = clean.shape[1]
+    own = readout(torch.stack([hn[-1], hn_bad[-1]]), torch.tensor(target), None if foil is None else torch.tensor(foil),
+                  quantity=quantity).double()
+    delta_model = float(own[0] - own[1])
+
+    # float64 chain: both runs through float64 copies of the blocks, the sublayer states kept
+    size = 8 * sum(p.numel() for p in adapter.blocks.parameters())
+    keep = size <= COPY_BUDGET
+    copies: list = [None] * n
+    states = [torch.stack([h0, h0_bad]).double()]  # node states (2, S, d): clean, corrupted
+    mids = []
+    rebuild = 0.0
+    with torch.no_grad():
+        for layer in range(n):
+            block = _float64_block(adapter.blocks[layer])
+            sub = _Sublayers(block, calls[layer])
+            x = states[-1]
+            mid = x + sub.attn(x)
+            out = mid + sub.mlp_increment(mid)
+            whole = _run_block(block, x, calls[layer])
+            rebuild = max(rebuild, float((out - whole).norm() / whole.norm().clamp_min(1e-30)))
+            out[:, :first] = out[0, :first]  # equal inputs give equal states: make it exact
+            mid[:, :first] = mid[0, :first]
+            mids.append(mid)
+            states.append(out)
+            if keep:
+                copies[layer] = sub
+    final = torch.stack([hn, hn_bad]).double()
+    rebuild = max(rebuild, float((states[-1] - final).norm() / final.norm().clamp_min(1e-30)))
+    if not rebuild <= REBUILD_TOLERANCE:
+        raise ValueError(f"the float64 copies of the blocks do not rebuild the model's states (relative gap {rebuild:.1e}): "
+                         "this architecture computes its blocks otherwise than this construction assumes")
+
+    read = _Readout64(adapter, target, foil, quantity)
+    top_clean, top_bad = states[-1][0, -1], states[-1][1, -1]
+    ends, _ = read(torch.stack([top_clean, top_bad]))
+    f_clean, f_corrupted = float(ends[0]), float(ends[1])
+    delta = f_clean - f_corrupted
+    if not abs(delta) > min_delta:
+        raise ValueError(f"the corruption moves f by {delta:+.3e} (f(clean) {f_clean:.6g}, f(corrupted) {f_corrupted:.6g}), "
+                         f"not more than min_delta={min_delta}: there is nothing to split; pick a corruption that changes "
+                         "the answer's probability")
+    limit = tolerance * abs(delta)
+    dh = top_clean - top_bad
+
+    def top(m):
+        alphas, weights = _nodes(m)
+        _, grads = read(top_bad + alphas[:, None] * dh)
+        return weights @ grads
+    gbar, readout_steps = _refined(top, lambda g: float(g @ dh) - delta, steps, limit, max_steps)
+    cot = torch.zeros_like(states[-1][0])  # (S, d) on h_n
+    cot[-1] = gbar
+    gap_readout = float(gbar @ dh) - delta
+
+    carried = torch.zeros(n + 1, S, dtype=torch.float64)
+    carried_mid = torch.zeros(n, S, dtype=torch.float64)
+    gaps = torch.zeros(n, 2, dtype=torch.float64)
+    used = torch.zeros(n, 2, dtype=torch.long)
+    heads = torch.zeros(n, H, S, dtype=torch.float64) if parts or edges else None
+    neurons = [None] * n
+    edge_out = None
+    carried[n] = (cot * (states[n][0] - states[n][1])).sum(-1)
+    cots, cots_mid = [None] * n + [cot], [None] * n
+    for layer in tqdm(reversed(range(n)), total=n, desc="blocks", disable=not progress):
+        sub = copies[layer] or _Sublayers(_float64_block(adapter.blocks[layer]), calls[layer])
+        x_bad, x = states[layer][1], states[layer][0]
+        m_bad, m = mids[layer][1], mids[layer][0]
+        d_out, d_mid, d_x = states[layer + 1][0] - states[layer + 1][1], m - m_bad, x - x_bad
+        # MLP: mid' -> mid, objective <cot, M(mid)>
+        def mlp_pull(k):
+            return cot + _pull(sub.mlp_increment, m_bad, m, cot, k, batch)
+        cot_mid, used[layer, 1] = _refined(mlp_pull, lambda c: float((c * d_mid).sum() - (cot * d_out).sum()),
+                                           steps, limit, max_steps)
+        gaps[layer, 1] = float((cot_mid * d_mid).sum() - (cot * d_out).sum())
+        if parts or edges:
+            neurons[layer] = _mlp_parts(sub, m_bad, m, cot, int(used[layer, 1]), batch)
+
+        def attn_pull(k):
+            return cot_mid + _pull(sub.attn, x_bad, x, cot_mid, k, batch)
+        cot_in, used[layer, 0] = _refined(attn_pull, lambda c: float((c * d_x).sum() - (cot_mid * d_mid).sum()),
+                                          steps, limit, max_steps)
+        gaps[layer, 0] = float((cot_in * d_x).sum() - (cot_mid * d_mid).sum())
+        if parts or edges:
+            h_share, e_share = _attention_parts(sub, x_bad, x, cot_mid, int(used[layer, 0]), batch, edges)
+            heads[layer] = h_share
+            if edges:
+                if edge_out is None:
+                    edge_out = torch.zeros(n, *e_share.shape, dtype=torch.float64)
+                edge_out[layer] = e_share
+        carried_mid[layer] = (cot_mid * d_mid).sum(-1)
+        carried[layer] = (cot_in * d_x).sum(-1)
+        cot = cots[layer] = cot_in
+        cots_mid[layer] = cot_mid
+    for grid in (carried, carried_mid):
+        grid[:, :first] = 0.0
+    return CounterfactualGraph(
+        target=target, foil=foil, quantity=quantity, input_ids=clean[0].cpu(), corrupted_ids=corrupted[0].cpu(),
+        first=first, f_clean=f_clean, f_corrupted=f_corrupted, delta=delta, delta_model=delta_model,
+        carried=carried, carried_mid=carried_mid, heads=heads,
+        neurons=torch.stack(neurons) if parts or edges else None, edges=edge_out, gaps=gaps,
+        gap_readout=gap_readout, steps=used, readout_steps=readout_steps, rebuild=rebuild,
+        cotangents=torch.stack(cots), cotangents_mid=torch.stack(cots_mid), states=torch.stack(states, 1),
+        states_mid=torch.stack(mids, 1))
