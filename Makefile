@@ -22,6 +22,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	# circuit-tracer's graph schema (the [graph] extra), to validate `iglens graph --json`: it pins an
 	# older transformers and its schema needs only pydantic (in requirements.txt)
 	$(VENV)/bin/pip install -q --no-deps circuit-tracer==0.5.0
+	# the [interop] extra (iglens_interop, tests/test_interop.py): TransformerLens 4 and nnsight, with --no-deps
+	# (their unpinned torch would pull a multi-GB CUDA build); their runtime dependencies are in requirements.txt
+	$(VENV)/bin/pip install -q --no-deps transformer-lens==4.3.0 nnsight==0.8.1
 	# this checkout, editable: notebooks, tests and the `iglens` command import its modules
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null

@@ -25,6 +25,7 @@ import torch
 
 from iglens_core import (Adapter, Readout, Trace, check_same_model, check_sequence, first_output, get_adapter,
                          hidden_arg, plain_number, precision, replace_first, sublayer_module)
+from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 from iglens_baselines import component_layout
 from iglens_stats import restoration_half
 
@@ -158,6 +159,7 @@ def ablation_effects(model, trace: Trace, *, mode: str = "zero", layers: Optiona
     Returns:
         (T, len(layers)) float32 (float64 for a float64 model) probability drops.
     """
+    model = as_model(model)
     check_same_model(model, trace)
     _check_ablation(mode, batch_size)
     if part not in ABLATION_PARTS:
@@ -216,6 +218,7 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
     Returns:
         (T, len(sets)) probability drops, float32 (float64 for a float64 model).
     """
+    model = as_model(model)
     check_same_model(model, trace)
     _check_ablation(mode, batch_size)
     adapter = get_adapter(model)
@@ -354,6 +357,7 @@ def activation_patching(model, trace: Trace, corrupted_ids: torch.Tensor, *, tar
     Raises:
         ValueError: bad arguments, or a gap below ``min_gap`` (choose another corruption).
     """
+    model = as_model(model)
     check_same_model(model, trace)
     targets, target, min_gap = trace.targets, plain_number(target), plain_number(min_gap)
     if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)) or not 0.0 <= min_gap <= 1.0:
@@ -452,6 +456,7 @@ def embedding_std(model, token_ids=None) -> float:
             the whole vocabulary (in chunks). The module's own output is used, so a scaled
             embedding (Gemma's ``sqrt(d)``) is measured as the blocks see it.
     """
+    model = as_model(model)
     embed = model.get_input_embeddings()
     vocab = embed.num_embeddings
     ids = torch.arange(vocab) if token_ids is None else _check_ids(model, token_ids, "token_ids", sequence=False)[0]
@@ -563,6 +568,7 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
         ValueError: bad ids, lengths, target, kind, window, noise, subject or seeds, or a
             corruption that moves the target's probability by less than ``min_gap``.
     """
+    model = as_model(model)
     if kind not in TRACE_KINDS:
         raise ValueError(f"kind must be one of {TRACE_KINDS}, got {kind!r}")
     target, min_gap, noise = plain_number(target), plain_number(min_gap), plain_number(noise)
@@ -661,6 +667,7 @@ def atp_states(model, clean_ids, corrupted_ids, target: int, *, min_gap: float =
     Returns:
         (S, n+1) float64, the layout of :attr:`CausalTrace.restoration`.
     """
+    model = as_model(model)
     clean, corrupted = _check_ids(model, clean_ids, "clean_ids"), _check_ids(model, corrupted_ids, "corrupted_ids")
     if corrupted.shape != clean.shape:
         raise ValueError(f"clean_ids and corrupted_ids must have the same length, got {clean.shape[1]} and {corrupted.shape[1]}")

@@ -148,9 +148,36 @@ class Adapter:
         return len(self.blocks)
 
 
+# -- a model held by a wrapper (TransformerLens's TransformerBridge, nnsight's LanguageModel): the entry
+# points call as_model first; `import iglens_interop` registers how to find the Hugging Face model inside
+_UNWRAPPERS: list = []
+
+
+def register_model_unwrapper(unwrap: Callable) -> None:
+    """Have every entry point call ``unwrap(model)`` on the model it receives: the torch model to compute
+    on, or None for a model ``unwrap`` does not handle (``iglens_interop`` registers TransformerLens's
+    and nnsight's)."""
+    if unwrap not in _UNWRAPPERS:
+        _UNWRAPPERS.append(unwrap)
+
+
+def as_model(model):
+    """The model IG-Lens computes on: ``model``, or what a registered unwrapper finds inside it."""
+    for unwrap in _UNWRAPPERS:
+        inner = unwrap(model)
+        if inner is not None:
+            return inner
+    package = type(model).__module__.split(".")[0]
+    if package in ("transformer_lens", "nnsight"):
+        raise ValueError(f"a {package} model ({type(model).__name__}): `import iglens_interop` first, "
+                         "so that IG-Lens finds the Hugging Face model inside it")
+    return model
+
+
 def check_model(model) -> None:
     """Raise a ValueError unless ``model`` is a loaded ``nn.Module`` in eval mode whose weights are not
     on ``meta`` (shapes only) without accelerate's offloading hooks."""
+    model = as_model(model)
     if not isinstance(model, nn.Module):
         hint = f"; load it first: model, tokenizer = ig.load_model({model!r})" if isinstance(model, str) else ""
         raise ValueError(f"model must be a loaded torch model (torch.nn.Module), got "
@@ -170,6 +197,7 @@ def model_fingerprint(model) -> Optional[torch.Tensor]:
     and last block, the final norm and the head) that tell one model from another of the same sizes.
     No sum is taken, so they do not depend on the device. None when a part is offloaded (``meta``).
     """
+    model = as_model(model)
     adapter = get_adapter(model)
     tensors = [model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None,
                next(adapter.blocks[0].parameters(), None), next(adapter.blocks[-1].parameters(), None),
@@ -192,6 +220,7 @@ def check_same_model(model, trace: Optional["Trace"] = None, readout: Optional["
     ``model``: their stored :func:`model_fingerprint` must match its own within 1e-2 relative (so
     another dtype of the same model passes). A trace built by hand (no fingerprint) is not checked.
     """
+    model = as_model(model)
     check_model(model)
     stored = [(what, getattr(thing, "model_fingerprint", None)) for what, thing in
               (("trace", trace), ("readout", readout)) if thing is not None]
@@ -227,6 +256,7 @@ def get_adapter(model: nn.Module, *, blocks: Optional[nn.ModuleList] = None,
     Raises:
         ValueError: naming each part not found, where it was looked for and how to pass it.
     """
+    model = as_model(model)
     check_model(model)
     float64_forward(model)
     base = getattr(model, "base_model", model)
@@ -308,6 +338,7 @@ def float64_forward(model: nn.Module) -> list[str]:
         Names of what still computes in float32, also warned: dynamic rope types, offloaded
         modules, norms no candidate reproduces, the eager attention softmax; ``[]`` otherwise.
     """
+    model = as_model(model)
     first = next(model.parameters(), None)
     if first is None or first.dtype != torch.float64:
         return []
@@ -423,6 +454,7 @@ def check_quantity(quantity) -> None:
 
 def context_length(model: nn.Module) -> Optional[int]:
     """The model's context length from its config (None where the config does not say)."""
+    model = as_model(model)
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     return _first_attr(config, ("max_position_embeddings", "n_positions", "n_ctx")) if config is not None else None
@@ -495,6 +527,7 @@ def replace_first(output, tensor):
 
 def check_sequence(model, input_ids, prompt_len: Optional[int]) -> torch.Tensor:
     """Validate one sequence for the collector (``prompt_len=None``: no answer part); returns it as (1, L) long."""
+    model = as_model(model)
     check_model(model)
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
@@ -522,6 +555,7 @@ def check_sequence(model, input_ids, prompt_len: Optional[int]) -> torch.Tensor:
 def logits_at_end(model, keep: int, **inputs) -> torch.Tensor:
     """(B, keep, V) logits at the last ``keep`` columns, via ``logits_to_keep`` where the forward takes
     it (at V = 262144, 16 x 60 tokens of logits are 1 GB)."""
+    model = as_model(model)
     import inspect
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         return model(**inputs, use_cache=False, logits_to_keep=keep).logits
@@ -554,6 +588,7 @@ def collect(model, input_ids: torch.Tensor, prompt_len: int, *, sublayer: bool =
         input_ids: (1, L) or (L,); prompt_len: first answer position, in ``1..L-1``.
         sublayer: also record the residual between attention and MLP of each block.
     """
+    model = as_model(model)
     input_ids = check_sequence(model, input_ids, prompt_len)
     length = input_ids.shape[1]
     adapter = get_adapter(model)
@@ -657,6 +692,7 @@ def projection_weight(proj: nn.Module) -> tuple[torch.Tensor, Optional[torch.Ten
 
 def head_counts(model) -> tuple[int, int]:
     """``(H, H_kv)``: attention heads and key/value heads per block, from the model's config."""
+    model = as_model(model)
     config = getattr(model.config, "text_config", None) or model.config
     heads = _first_attr(config, ("num_attention_heads", "n_head"))
     return int(heads), int(_first_attr(config, ("num_key_value_heads",)) or heads)
@@ -681,6 +717,7 @@ def _value_reader(attention: nn.Module, heads: int, kv_heads: int) -> tuple[nn.M
 @contextmanager
 def eager_attention(model):
     """Run the model's attention in its eager implementation, which returns the probabilities."""
+    model = as_model(model)
     before = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if before in (None, "eager") or not hasattr(model, "set_attn_implementation"):
         yield
@@ -724,6 +761,7 @@ def collect_components(model, input_ids: torch.Tensor, prompt_len: int, *, sourc
     ``patterns`` (n, T, H, S) and ``values`` (n, S, H_kv, head_dim); they must rebuild the recorded
     head outputs, ``z_h(t) = sum_s A_h(t, s) v_h(s)``, or a ValueError says the architecture is not
     supported."""
+    model = as_model(model)
     input_ids = check_sequence(model, input_ids, prompt_len)
     adapter = get_adapter(model)
     n = adapter.n_layers
@@ -790,6 +828,7 @@ class Readout:
 
     def __init__(self, model, *, norm: Optional[nn.Module] = None, head: Optional[nn.Module] = None,
                  memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        model = as_model(model)
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, np.integer)) or memory_budget < 1:
             raise ValueError(f"memory_budget must be a positive integer number of bytes, got {memory_budget!r}")
         self.adapter = get_adapter(model, norm=norm, head=head)
@@ -1475,6 +1514,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
             change of the answer's log-probability); foil: None, one id or (T,) ids: f becomes
             ``f(y) - f(foil)`` (with ``"logprob"``, the logit difference ``z_y - z_foil``).
     """
+    model = as_model(model)
     readout, foils = _check_run(model, trace, readout, steps, estimator, quantity, foil, profile)
     spec = dict(foils=foils, quantity=quantity)
     layers = check_layers(layers, trace.n_layers)
@@ -1514,6 +1554,7 @@ def ig_lens(model, trace: Trace, *, layers: Optional[Sequence[int]] = None,
 
 def logit_lens(model, trace: Trace, readout: Optional[Readout] = None) -> torch.Tensor:
     """(T, n+1) target probability read out of every block boundary, ``hidden[0]`` first."""
+    model = as_model(model)
     check_same_model(model, trace, readout)
     readout = readout or Readout(model)
     return readout(trace.hidden, trace.targets[None]).T
@@ -1579,6 +1620,7 @@ def component_terms(model, trace: Trace, vectors: torch.Tensor, sublayer: str, *
         ``(terms (T, n, P + 1), increments (n, T, d), sources (T, n, H, S) or None)`` float64; the
         increments are rebuilt from the parts, for the caller to check against the stream.
     """
+    model = as_model(model)
     if sublayer not in ("attn", "mlp"):
         raise ValueError(f"sublayer must be 'attn' or 'mlp', got {sublayer!r}")
     acts = trace.heads if sublayer == "attn" else trace.neurons
@@ -1691,6 +1733,7 @@ def components(model, trace: Trace, *, resolution: str = "both", steps: int = 16
             ``"source"`` (heads and sources) or ``"all"``.
         steps, estimator, readout, quantity, foil: as :func:`ig_lens` (Gauss-Legendre by default).
     """
+    model = as_model(model)
     if resolution not in COMPONENT_RESOLUTIONS:
         raise ValueError(f"resolution must be one of {COMPONENT_RESOLUTIONS}, got {resolution!r}")
     wanted = {"head": ("heads",), "neuron": ("neurons",), "both": ("heads", "neurons"),

@@ -29,6 +29,7 @@ from torch import nn
 from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, check_quantity, collect_components, components,
                          get_adapter, head_counts, logits_at_end, plain_number, projection_weight,
                          sublayer_module, sublayer_projection)
+from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 from iglens_baselines import frozen_parameters
 from iglens_graph import attribution_graph
 from iglens_dpa_method import dpa_attribution, dpa_item, gated_run
@@ -56,6 +57,7 @@ MASK_QUANTITIES = ("prob", "logprob", "logit")
 
 def dpa_layout(model) -> tuple[int, int, int]:
     """``(n, H, d_ff)``: blocks, attention heads (query heads under GQA) and MLP neurons."""
+    model = as_model(model)
     adapter = get_adapter(model)
     d_ff = projection_weight(sublayer_projection(adapter.blocks[0], "mlp")[0])[0].shape[1]
     return adapter.n_layers, head_counts(model)[0], int(d_ff)
@@ -274,6 +276,7 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
         (F,) float64 relative drops in percent, one per fraction (0: p unchanged; 100: p -> 0;
         negative: p rose).
     """
+    model = as_model(model)
     if mode not in DPA_MODES:
         raise ValueError(f"mode must be one of {DPA_MODES}, got {mode!r}")
     fractions = _as_scores(DPA_FRACTIONS if fractions is None else fractions, "fractions")
@@ -621,6 +624,7 @@ def mask_ig(model, input_ids, target: int, *, steps: int = 32, rule: str = "adap
     Returns:
         :class:`MaskIG`.
     """
+    model = as_model(model)
     steps = _check_mask_args(steps, quantity, batch_size, memory_budget, rule)
     ids, target = dpa_item(model, input_ids, target)
     return _mask_ig(model, ids, target, steps, quantity, _check_context(context, ids.shape[1]), batch_size,
@@ -630,6 +634,7 @@ def mask_ig(model, input_ids, target: int, *, steps: int = 32, rule: str = "adap
 def mask_ig_gaps(model, input_ids, target: int, steps: Sequence[int] = (8, 16, 32, 64), **kwargs) -> dict:
     """``{m: gap}``: :func:`mask_ig`'s completeness gap ``sum(scores) - (f_on - f_off)`` for each
     number of points m (keyword arguments as :func:`mask_ig`, ``rule`` among them)."""
+    model = as_model(model)
     if isinstance(steps, (int, np.integer)) or not len(steps):
         raise ValueError(f"steps must be a non-empty sequence of point counts, got {steps!r}")
     return {int(m): mask_ig(model, input_ids, target, steps=m, **kwargs).gap for m in steps}
@@ -778,6 +783,7 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
         ``{"edges": (n, H, S, S), "neurons": (n, S, d_ff)}`` float64 on the CPU (None for a kind the
         method does not rank); for the edges, ``[block, head, query, key]``.
     """
+    model = as_model(model)
     method = DPA_ALIASES.get(method, method) if isinstance(method, str) else method
     if method not in DPA_METHODS + ("activation",):
         raise ValueError(f"method must be one of {DPA_METHODS} (or 'activation', "
@@ -834,6 +840,7 @@ def dpa_kept(model, tokenizer, input_ids, target: int, *, min_prob: float = 0.1,
     token string (``tokenizer.convert_ids_to_tokens``, e.g. ``"ĠParis"``) is longer than one character
     and the context (:func:`dpa_context`: the prompt less the tokens the tokenizer adds) holds at most
     ``max_context`` tokens. With ``tokenizer=None`` the last two rules are not applied."""
+    model = as_model(model)
     min_prob, max_context = plain_number(min_prob), plain_number(max_context)
     if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob < 1.0:
         raise ValueError(f"min_prob must be a probability in [0, 1), got {min_prob!r}")

@@ -61,6 +61,7 @@ from torch import nn
 from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_same_model, check_sequence,
                          eager_attention, first_output, get_adapter, head_counts, hidden_arg, logits_at_end,
                          projection_weight, quadrature, sublayer_module, sublayer_norm, sublayer_projection)
+from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 
 PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
 # Smaller rules tried first where |g| is small (the integrand t act'(t g) is then smooth on [0, 1]): (largest
@@ -665,6 +666,7 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         ValueError: a model in training mode, an unsupported architecture, a bad argument (named,
             with its valid range), a readout from another model.
     """
+    model = as_model(model)
     _check_model_mode(model)
     input_ids = check_sequence(model, input_ids, prompt_len)
     token = _check_int("token", token, 0, input_ids.shape[1] - prompt_len - 1)
@@ -697,6 +699,7 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     Returns:
         An iterator of :class:`Graph`, one per token, in the order of ``tokens``.
     """
+    model = as_model(model)
     _check_model_mode(model)
     input_ids = check_sequence(model, input_ids, prompt_len)
     S = input_ids.shape[1]
