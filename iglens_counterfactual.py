@@ -54,7 +54,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 from tqdm.auto import tqdm
 
-from iglens_core import (QUANTITIES, check_foil, check_model, check_quantity, check_sequence, eager_attention,
+from iglens_core import (as_model, check_foil, check_model, check_quantity, check_sequence, eager_attention,
                          first_output, float64_forward, get_adapter, head_counts, hidden_arg, plain_number,
                          quadrature, sublayer_module, sublayer_norm, sublayer_projection, Readout)
 
@@ -432,6 +432,7 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
             ``min_delta`` (or not at all), a bad argument (named, with its valid range), an architecture whose
             blocks this construction cannot rebuild.
     """
+    model = as_model(model)
     check_model(model)
     if isinstance(model, nn.Module) and model.training:
         raise ValueError("the model is in training mode (dropout would change the pass): call model.eval() first")
