@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from iglens_core import (Adapter, Readout, Trace, check_same_model, check_sequence, first_output, get_adapter,
+from iglens_core import (Adapter, Readout, Trace, check_same_model, check_sequence, eager_attention, first_output, get_adapter,
                          hidden_arg, plain_number, precision, replace_first, sublayer_module)
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 from iglens_baselines import component_layout
@@ -695,3 +695,71 @@ def atp_states(model, clean_ids, corrupted_ids, target: int, *, min_gap: float =
     grads = torch.stack([state.grad[0] for state in states])  # (n+1, S, d)
     change = (clean_hidden - hidden)[:, 0]  # (n+1, S, d)
     return (grads.double() * change.double()).sum(-1).T / gap
+
+
+# -- swapping attention patterns between two runs: does the corruption act through where heads look, or
+# through what they read?
+_PATTERNS: list = []  # while pattern_swap runs: the patterns (per layer, (1, H, S, S)) to use instead
+
+
+def _fixed_pattern_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention that reads the values through the pattern in ``_PATTERNS`` (its queries and keys unused)."""
+    pattern = _PATTERNS[-1][module.layer_idx].to(value.dtype)  # (1, H, S, S)
+    values = value.repeat_interleave(pattern.shape[1] // value.shape[1], 1)
+    return (pattern @ values).transpose(1, 2).contiguous(), pattern
+
+
+def _register_fixed_pattern() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register("iglens_fixed_pattern", _fixed_pattern_attention)
+
+
+_register_fixed_pattern()
+
+
+@torch.no_grad()
+def pattern_swap(model, clean_ids, corrupted_ids, target: int) -> dict:
+    """p(target) at the last position with every attention pattern taken from the other run.
+
+    Four probabilities: ``clean`` and ``corrupted`` (the two runs), ``corrupted_clean_patterns`` (the corrupted
+    input, every head of every block attending with the clean run's pattern) and ``clean_corrupted_patterns``
+    (the clean input with the corrupted run's patterns). If the corruption acted through queries and keys
+    (where heads look), the first swap would restore p; if it acts through what the heads read (values, MLPs),
+    p stays near the corrupted run's and the second swap leaves p near the clean run's.
+
+    Args:
+        clean_ids, corrupted_ids: (1, S) or (S,) token ids of the same length; target: the clean answer's id.
+
+    Returns:
+        dict of the four probabilities (floats).
+    """
+    model = as_model(model)
+    clean, corrupted = _check_ids(model, clean_ids, "clean_ids"), _check_ids(model, corrupted_ids, "corrupted_ids")
+    if corrupted.shape != clean.shape:
+        raise ValueError(f"clean_ids and corrupted_ids must have the same length, got {clean.shape[1]} and {corrupted.shape[1]}")
+    vocab = Readout(model).vocab_size
+    target = plain_number(target)
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < vocab:
+        raise ValueError(f"target must be a token id in 0..{vocab - 1}, got {target!r}")
+    if not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation (set_attn_implementation)")
+    device = next(model.parameters()).device
+    out, patterns = {}, {}
+    with eager_attention(model):
+        for name, ids in (("clean", clean), ("corrupted", corrupted)):
+            run = model(ids.to(device), use_cache=False, output_attentions=True)
+            out[name] = float(torch.softmax(run.logits[0, -1].double(), -1)[target])
+            patterns[name] = run.attentions
+    before = model.config._attn_implementation
+    model.set_attn_implementation("iglens_fixed_pattern")
+    try:
+        for name, ids, other in (("corrupted_clean_patterns", corrupted, "clean"), ("clean_corrupted_patterns", clean, "corrupted")):
+            _PATTERNS.append(patterns[other])
+            try:
+                logits = model(ids.to(device), use_cache=False).logits
+            finally:
+                _PATTERNS.pop()
+            out[name] = float(torch.softmax(logits[0, -1].double(), -1)[target])
+    finally:
+        model.set_attn_implementation(before)
+    return out

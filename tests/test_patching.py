@@ -121,3 +121,31 @@ def test_patching_bad_input():
         igc.activation_patching(model, trace, ok + 200)
     with pytest.raises(ValueError, match="level"):
         igs.restoration_half(np.zeros((2, 3)), level=0.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_pattern_swap_against_own_patterns_and_by_hand(arch):
+    """The two runs are the model's own eager forward; a run given its own patterns is itself; the clean
+    patterns move the corrupted run (they matter on these models)."""
+    model = tiny_model(arch, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    clean = torch.randint(0, model.config.vocab_size, (1, 8), generator=gen)
+    corrupted = clean.clone()
+    corrupted[0, 2] = (clean[0, 2] + 5) % model.config.vocab_size
+    target = int(model(clean).logits[0, -1].argmax())
+    out = igc.pattern_swap(model, clean, corrupted, target)
+    with torch.no_grad(), ig.eager_attention(model):
+        p = {name: float(torch.softmax(model(ids).logits[0, -1].double(), -1)[target])
+             for name, ids in (("clean", clean), ("corrupted", corrupted))}
+    assert out["clean"] == pytest.approx(p["clean"], abs=1e-6) and out["corrupted"] == pytest.approx(p["corrupted"], abs=1e-6)
+    same = igc.pattern_swap(model, clean, clean, target)
+    assert same["corrupted_clean_patterns"] == pytest.approx(same["clean"], abs=1e-6)
+    assert out["corrupted_clean_patterns"] != pytest.approx(out["corrupted"], abs=1e-9)  # the patterns matter here
+
+
+def test_pattern_swap_bad_input():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="same length"):
+        igc.pattern_swap(model, torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="target must be a token id"):
+        igc.pattern_swap(model, torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long), 10**6)
