@@ -44,7 +44,9 @@ its dtype, and ``rebuild`` the largest relative gap between the float64 states a
 from __future__ import annotations
 
 import copy
+import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -64,8 +66,9 @@ DEFAULT_STEPS = 16
 DEFAULT_TOLERANCE = 1e-7  # largest |gap| of one sublayer, relative to |delta|, before it is refined
 MAX_STEPS = 256
 REBUILD_TOLERANCE = 1e-3  # relative gap between the float64 copies' states and the model's
-COPY_BUDGET = 2 * 2**30  # bytes of float64 block copies kept between the recording pass and the sweep
+COPY_BUDGET = 2 * 2**30  # bytes of float64 copies (blocks, head) kept between calls and within one
 _CAPTURE: list = []  # the attention function appends what it read while a capture is open
+_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # block -> (its tensors' versions, float64 copy)
 
 
 class _Stop(Exception):
@@ -107,14 +110,21 @@ def _as_float64(value):
     return value
 
 
-def _float64_block(block: nn.Module) -> nn.Module:
-    """A float64 copy of ``block``: norms in float64, attention by :func:`_attention`."""
+def _float64_block(block: nn.Module, cache: bool = False) -> nn.Module:
+    """A float64 copy of ``block``: norms in float64, attention by :func:`_attention`. With ``cache`` the copy is
+    kept for the block's lifetime and reused while none of its tensors has been changed or replaced."""
+    versions = tuple((t.data_ptr(), t._version) for t in itertools.chain(block.parameters(), block.buffers()))
+    kept = _COPIES.get(block)
+    if cache and kept is not None and kept[0] == versions:
+        return kept[1]
     out = copy.deepcopy(block).to(torch.float64)
     float64_forward(out)
     for module in out.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             config._attn_implementation = ATTENTION
+    if cache:
+        _COPIES[block] = (versions, out)
     return out
 
 
@@ -216,7 +226,8 @@ class CounterfactualGraph:
             gap_readout: ``<cot_n, dh_n> - delta``. Their sum is ``carried[0].sum() - delta``.
         steps: (n, 2) Gauss-Legendre nodes each sublayer used; readout_steps: the readout's.
         rebuild: largest relative gap between the float64 states and the model's own.
-        cotangents: (n+1, S, d) ``cot_L``; cotangents_mid: (n, S, d) on the states between attention and MLP;
+        cotangents: (n+1, S, d) ``cot_L``; cotangents_mid: (n, S, d) on the states between attention and MLP
+            (0 before ``first``: no share needs them there, every state there being equal in both runs);
             states, states_mid: (2, n+1, S, d) and (2, n, S, d) the clean [0] and corrupted [1] float64 states.
     """
     target: int
@@ -264,57 +275,28 @@ class CounterfactualGraph:
         return self.carried.T / self.delta
 
 
-class _Readout64:
-    """f and its gradient in float64: the final norm (a float64 copy), the head in float64 (a copy kept when
-    it fits :data:`COPY_BUDGET`, else cast in chunks of the vocabulary), logit scale and soft-cap as the
-    model applies them."""
-
-    def __init__(self, adapter, target: int, foil: Optional[int], quantity: str):
-        self.norm = copy.deepcopy(adapter.norm).to(torch.float64)
-        float64_forward(self.norm)
-        weight = adapter.head.weight.detach()
-        self.weight = weight.to(torch.float64) if 8 * weight.numel() <= COPY_BUDGET else weight
-        bias = getattr(adapter.head, "bias", None)
-        self.bias = bias.detach().to(torch.float64) if isinstance(bias, torch.Tensor) else None
-        self.rows = weight.shape[0] if self.weight.dtype == torch.float64 else max(1, 2 ** 24 // weight.shape[1])
-        self.scale, self.cap = adapter.logit_scale, adapter.softcap
-        self.columns = [(target, 1.0)] + ([(foil, -1.0)] if foil is not None else [])
-        self.quantity = quantity
-
-    def _chunks(self):
-        for i in range(0, self.weight.shape[0], self.rows):
-            yield slice(i, i + self.rows), self.weight[i:i + self.rows].to(torch.float64)
-
-    def __call__(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(m, d) float64 points -> f (m,) and its gradient (m, d)."""
-        x = points.detach().clone().requires_grad_(True)
-        with torch.enable_grad():
-            normed = self.norm(x)  # (m, d)
-        plain = normed.detach()
-        logits = torch.cat([plain @ w.T for _, w in self._chunks()], -1)  # (m, V)
-        if self.bias is not None:
-            logits = logits + self.bias
-        logits = logits * self.scale
-        squash = torch.tanh(logits / self.cap) if self.cap else None
-        logits = self.cap * squash if self.cap else logits
-        logp = torch.log_softmax(logits, -1)
-        p = logp.exp()
-        value, grad = torch.zeros(len(x), dtype=torch.float64), torch.zeros_like(logits)
-        for token, sign in self.columns:
-            onehot = torch.zeros_like(p)
-            onehot[:, token] = 1.0
-            if self.quantity == "prob":
-                value += sign * p[:, token]
-                grad += sign * p[:, token, None] * (onehot - p)
-            else:
-                value += sign * logp[:, token]
-                grad += sign * (onehot - p)
-        if self.cap:
-            grad = grad * (1 - squash ** 2)
-        grad = grad * self.scale
-        g_normed = sum(grad[:, rows] @ w for rows, w in self._chunks())
-        (g_x,) = torch.autograd.grad(normed, x, g_normed)
-        return value.detach(), g_x
+def _readout64(model, adapter) -> Readout:
+    """The model's readout in float64: a float64 copy of its final norm and of its head (kept for the model's
+    lifetime like the blocks', while it fits :data:`COPY_BUDGET`), read by :class:`iglens_core.Readout`, whose
+    segment gradients take three head products whatever the number of nodes."""
+    head = adapter.head
+    versions = tuple((t.data_ptr(), t._version) for t in itertools.chain(head.parameters(), adapter.norm.parameters()))
+    kept = _COPIES.get(head)
+    if kept is not None and kept[0] == versions:
+        return Readout(model, norm=kept[1][0], head=kept[1][1])
+    norm = copy.deepcopy(adapter.norm).to(torch.float64)
+    float64_forward(norm)
+    weight = head.weight.detach()
+    bias = getattr(head, "bias", None)
+    head64 = nn.Linear(weight.shape[1], weight.shape[0], bias=isinstance(bias, torch.Tensor), dtype=torch.float64,
+                       device=weight.device)
+    with torch.no_grad():
+        head64.weight.copy_(weight)
+        if isinstance(bias, torch.Tensor):
+            head64.bias.copy_(bias)
+    if 8 * weight.numel() <= COPY_BUDGET:
+        _COPIES[head] = (versions, (norm, head64))
+    return Readout(model, norm=norm, head=head64)
 
 
 def _nodes(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,15 +457,14 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
     delta_model = float(own[0] - own[1])
 
     # float64 chain: both runs through float64 copies of the blocks, the sublayer states kept
-    size = 8 * sum(p.numel() for p in adapter.blocks.parameters())
-    keep = size <= COPY_BUDGET
+    keep = 8 * sum(p.numel() for p in adapter.blocks.parameters()) <= COPY_BUDGET  # float64 copies kept
     copies: list = [None] * n
     states = [torch.stack([h0, h0_bad]).double()]  # node states (2, S, d): clean, corrupted
     mids = []
     rebuild = 0.0
     with torch.no_grad():
         for layer in range(n):
-            block = _float64_block(adapter.blocks[layer])
+            block = _float64_block(adapter.blocks[layer], cache=keep)
             sub = _Sublayers(block, calls[layer])
             x = states[-1]
             mid = x + sub.attn(x)
@@ -502,10 +483,10 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
         raise ValueError(f"the float64 copies of the blocks do not rebuild the model's states (relative gap {rebuild:.1e}): "
                          "this architecture computes its blocks otherwise than this construction assumes")
 
-    read = _Readout64(adapter, target, foil, quantity)
+    read = _readout64(model, adapter)
     top_clean, top_bad = states[-1][0, -1], states[-1][1, -1]
-    ends, _ = read(torch.stack([top_clean, top_bad]))
-    f_clean, f_corrupted = float(ends[0]), float(ends[1])
+    ids = (torch.tensor([target]), None if foil is None else torch.tensor([foil]))
+    f_corrupted, f_clean = read(torch.stack([top_bad, top_clean]), ids[0], ids[1], quantity=quantity).tolist()
     delta = f_clean - f_corrupted
     if not abs(delta) > min_delta:
         raise ValueError(f"the corruption moves f by {delta:+.3e} (f(clean) {f_clean:.6g}, f(corrupted) {f_corrupted:.6g}), "
@@ -516,8 +497,9 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
 
     def top(m):
         alphas, weights = _nodes(m)
-        _, grads = read(top_bad + alphas[:, None] * dh)
-        return weights @ grads
+        gbar, _ = read.along_segments(torch.stack([top_bad, top_clean])[:, None], ids[0], alphas, weights=weights,
+                                      foils=ids[1], quantity=quantity)  # (1, 1, d)
+        return gbar[0, 0]
     gbar, readout_steps = _refined(top, lambda g: float(g @ dh) - delta, steps, limit, max_steps)
     cot = torch.zeros_like(states[-1][0])  # (S, d) on h_n
     cot[-1] = gbar
@@ -538,13 +520,17 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
         m_bad, m = mids[layer][1], mids[layer][0]
         d_out, d_mid, d_x = states[layer + 1][0] - states[layer + 1][1], m - m_bad, x - x_bad
         # MLP: mid' -> mid, objective <cot, M(mid)>
-        def mlp_pull(k):
-            return cot + _pull(sub.mlp_increment, m_bad, m, cot, k, batch)
+        def mlp_pull(k):  # position-wise: the positions before `first` (equal states) are left out
+            out = cot.clone()
+            out[first:] += _pull(sub.mlp_increment, m_bad[first:], m[first:], cot[first:], k, batch)
+            return out
         cot_mid, used[layer, 1] = _refined(mlp_pull, lambda c: float((c * d_mid).sum() - (cot * d_out).sum()),
                                            steps, limit, max_steps)
         gaps[layer, 1] = float((cot_mid * d_mid).sum() - (cot * d_out).sum())
         if parts or edges:
-            neurons[layer] = _mlp_parts(sub, m_bad, m, cot, int(used[layer, 1]), batch)
+            neurons[layer] = torch.zeros(S, sub.down.in_features if hasattr(sub.down, "in_features") else
+                                         sub.down.weight.shape[0], dtype=torch.float64)
+            neurons[layer][first:] = _mlp_parts(sub, m_bad[first:], m[first:], cot[first:], int(used[layer, 1]), batch)
 
         def attn_pull(k):
             return cot_mid + _pull(sub.attn, x_bad, x, cot_mid, k, batch)
@@ -560,6 +546,7 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
                 edge_out[layer] = e_share
         carried_mid[layer] = (cot_mid * d_mid).sum(-1)
         carried[layer] = (cot_in * d_x).sum(-1)
+        cot_in[:first] = 0.0  # not needed: every state before `first` is equal in both runs
         cot = cots[layer] = cot_in
         cots_mid[layer] = cot_mid
     for grid in (carried, carried_mid):

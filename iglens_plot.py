@@ -659,7 +659,8 @@ def plot_source_vs_trace(source_map, restoration, tokens: Sequence[str], *, titl
 
 
 def plot_carried_vs_trace(carried, restoration, tokens: Sequence[str], *, title: str = "",
-                          highlight: Sequence[int] = (), figsize: tuple[float, float] = (13, 9)):
+                          highlight: Sequence[int] = (), figsize: tuple[float, float] = (13, 9),
+                          label: str = "attribution graph: share of Δp carried by h_L(s) into later blocks"):
     """Notebook 11: the attribution graph's carried map (the share of Δp that the residual state at
     node L, position s carries into later blocks) above the causal trace grid of the same prompt,
     cell for cell: both are (node, position) maps.
@@ -668,9 +669,9 @@ def plot_carried_vs_trace(carried, restoration, tokens: Sequence[str], *, title:
         carried: (n+1, S) share of f carried by ``h_L(s)``, nodes 0..n down.
         restoration: (S, n+1) ``CausalTrace.restoration``.
         tokens: (S,) the positions' tokens; highlight: positions with red labels (the subject).
+        label: the upper map's title (e.g. the counterfactual graph's share of p_clean - p').
     """
-    return _map_above_trace(carried, restoration, tokens, first=0, ylabel="node L (h_L)",
-                            label="attribution graph: share of Δp carried by h_L(s) into later blocks",
+    return _map_above_trace(carried, restoration, tokens, first=0, ylabel="node L (h_L)", label=label,
                             title=title, highlight=highlight, figsize=figsize)
 
 

@@ -37,6 +37,10 @@ Items, in the order of the issue:
 15. the whole attribution graph of one answer token (``iglens_graph.attribution_graph``, with and
     without edges) against AtP's forward and backward pass on the same item, short and long prompt,
     with a cProfile split of one call (recording pass, readout, linearised blocks, sweep) (issue 31);
+16. the counterfactual graph of one fact (``iglens_counterfactual.counterfactual_graph``: states only, and
+    with heads, neurons and edges) against EAP-IG's m forward and backward passes at the same m (its
+    cost floor: the interpolated inputs in one batch, every block output's gradient kept) and AtP
+    per state (issue 43);
 
 and the levers measured for the readout (node products, chunk rows, log-softmax vs logsumexp,
 the tangent's product, inference mode).
@@ -81,6 +85,7 @@ import iglens_baselines as igb  # noqa: E402
 import iglens_causal as igc  # noqa: E402
 import iglens_dpa as igdpa  # noqa: E402
 import iglens_graph as iggraph  # noqa: E402
+import iglens_counterfactual as igcf  # noqa: E402
 
 PROMPT = "What is the capital of Vietnam?"
 ANSWER = "The capital of Vietnam is Hanoi."
@@ -1173,10 +1178,58 @@ def item15_graph(ctx) -> None:
                 f"<= {target_ratio:g}x", ratio <= target_ratio)
 
 
+def _eap_ig_passes(model, clean: torch.Tensor, corrupted: torch.Tensor, target: int, steps: int) -> Callable:
+    """EAP-IG (inputs) at ``steps``: the token embeddings interpolated from the corrupted to the clean run at
+    k / m, k = 1..m, one batched forward and backward of p(target), every block output's gradient kept (what
+    its edge scores are read from): its cost without the edge products."""
+    adapter = ig.get_adapter(model)
+    embed = model.get_input_embeddings()
+
+    def run():
+        with torch.enable_grad():
+            start, end = embed(corrupted), embed(clean)  # (1, S, d)
+            alphas = torch.arange(1, steps + 1, dtype=start.dtype)[:, None, None] / steps
+            x = (start + alphas * (end - start)).detach().requires_grad_(True)  # (m, S, d)
+            kept = []
+            hooks = [block.register_forward_hook(lambda m, a, out: kept.append(ig.first_output(out)))
+                     for block in adapter.blocks]
+            try:
+                logits = model(inputs_embeds=x, use_cache=False).logits[:, -1]
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            p = torch.softmax(logits.float(), -1)[:, target].sum()
+            return torch.autograd.grad(p, [x] + kept)
+    return run
+
+
+def item16_counterfactual(ctx) -> None:
+    """The counterfactual graph of one fact vs EAP-IG's passes at the same m and AtP per state (issue 43)."""
+    model, tokenizer = ctx.model, ctx.tokenizer
+    for subject, other in (("France", "Japan"),):
+        clean = tokenizer(f"The capital of {subject} is the city of", return_tensors="pt").input_ids
+        corrupted = tokenizer(f"The capital of {other} is the city of", return_tensors="pt").input_ids
+        target = tokenizer(" Paris", add_special_tokens=False).input_ids[0]
+        S, steps = clean.shape[1], igcf.DEFAULT_STEPS
+        fns = {"states": lambda: igcf.counterfactual_graph(model, clean, corrupted, target, parts=False),
+               "parts": lambda: igcf.counterfactual_graph(model, clean, corrupted, target, edges=True),
+               "eap_ig": _eap_ig_passes(model, clean, corrupted, target, steps),
+               "atp": lambda: igc.atp_states(model, clean, corrupted, target)}
+        best = best_of(fns, ctx.args.repeats, ctx.device)
+        for name, what in (("states", "states only"), ("parts", "with heads, neurons and edges")):
+            ratio = best[name] / best["eap_ig"]
+            add(f"16. counterfactual graph of one fact ({S} tokens, {what}, m = {steps} per sublayer, float64) vs "
+                f"EAP-IG's {steps} forward and backward passes (inputs, float32)", fmt_time(best[name]),
+                fmt_time(best["eap_ig"]), f"{ratio:.2f}x the time", "<= 1x", ratio <= 1.0)
+        add(f"16. AtP per state ({S} tokens) vs EAP-IG's {steps} passes, for scale", fmt_time(best["atp"]),
+            fmt_time(best["eap_ig"]), f"{best['atp'] / best['eap_ig']:.2f}x the time")
+
+
 ITEMS = {1: item1_exact_map, 2: item2_profile, 3: item3_captum, 4: item4_gradient,
          5: item5_generate, 6: item6_memory, 7: item7_load, 8: item8_scaling, 9: levers,
          10: item10_dataset, 11: item11_components,
-         12: item12_patching, 13: item13_causal_trace, 14: item14_dpa, 15: item15_graph}
+         12: item12_patching, 13: item13_causal_trace, 14: item14_dpa, 15: item15_graph,
+         16: item16_counterfactual}
 
 
 def main(argv=None) -> int:
@@ -1193,7 +1246,7 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="item 6 at 64 tokens, longer sweeps")
     parser.add_argument("--facts", type=int, default=96, help="facts of item 10 (data/facts.csv)")
     parser.add_argument("--batch-size", type=int, default=16, help="items per batch of item 10")
-    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching, 13 = causal trace, 14 = DPA ablation, 15 = attribution graph)")
+    parser.add_argument("--only", default="", help="comma-separated item numbers (9 = levers, 10 = dataset, 11 = components, 12 = patching, 13 = causal trace, 14 = DPA ablation, 15 = attribution graph, 16 = counterfactual graph)")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:
