@@ -12,6 +12,7 @@ import transformers
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the bridge and nnsight must not look for anything online
 
 import iglens_causal as igc  # noqa: E402
+import iglens_counterfactual as igcf  # noqa: E402
 import iglens_core as ig  # noqa: E402
 import iglens_dpa as igdpa  # noqa: E402
 import iglens_graph as igg  # noqa: E402
@@ -115,6 +116,17 @@ def test_causal_trace(pair):
         assert got.p_clean == pytest.approx(want.p_clean, rel=1e-5)
     noise = igc.causal_trace(wrapped, IDS, None, target, subject=(1, 3), seeds=[0, 1], min_gap=1e-9)
     same(noise.probs, igc.causal_trace(reference, IDS, None, target, subject=(1, 3), seeds=[0, 1], min_gap=1e-9).probs, "noise")
+
+
+def test_counterfactual_graph(pair):
+    reference, wrapped = pair
+    corrupted = IDS.clone()
+    corrupted[0, 2] = (corrupted[0, 2] + 7) % 97
+    target = int(IDS[0, -1])
+    want = igcf.counterfactual_graph(reference, IDS, corrupted, target, quantity="logprob", edges=True, steps=4)
+    got = igcf.counterfactual_graph(wrapped, IDS, corrupted, target, quantity="logprob", edges=True, steps=4)
+    for name in ("carried", "carried_mid", "heads", "edges", "neurons"):
+        same(getattr(got, name), getattr(want, name), name)
 
 
 def test_dpa_scores(pair):
