@@ -198,7 +198,9 @@ def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where
     best = int(np.argmin(gaps))
     if not gaps[best] <= tol:  # NaN too
         raise ValueError(f"{where}: the norm {name} at a fixed denominator does not reproduce its "
-                         f"output (relative gap {gaps[best]:.1e}, tolerance {tol:.0e}); unsupported norm")
+                         f"output (relative gap {gaps[best]:.1e}, tolerance {tol:.0e}); unsupported norm"
+                         + ("; or, in this bfloat16 or float16 model, an overflow or its rounding: run it in "
+                            "float32 (model.float())" if tol > REBUILD_TOLERANCE else ""))
     return candidates[best]
 
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from urllib.parse import quote
 from collections import Counter
 from pathlib import Path
@@ -271,19 +272,21 @@ def in_shard(index: int, shard: str) -> bool:
         raise ValueError(f"index must be an item's 0-based position, an integer >= 0, got {index!r}")
     if not shard:
         return True
-    parts = shard.split("/")
-    if len(parts) != 2 or not all(part.strip().isascii() and part.strip().isdigit() for part in parts) \
-            or not 0 <= int(parts[0]) < int(parts[1]):
+    parts = re.fullmatch(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*", shard, re.ASCII)
+    if parts is None or not int(parts[1]) < int(parts[2]):
         raise ValueError(f"shard must be 'r/k' with integers 0 <= r < k in ASCII digits (items i % k == r), or '', "
                          f"got {shard!r}")
-    return int(value) % int(parts[1]) == int(parts[0])
+    return int(value) % int(parts[2]) == int(parts[1])
 
 
 class ItemRecords:
     """Per-item tables of a long run, one parquet file per item and table, so that it resumes.
 
-    ``folder`` holds ``settings.json`` (the settings that decide the numbers, JSON values) and
-    ``<item id>.<table>.parquet``, written atomically (:func:`write_shard`). A run with the same
+    ``folder`` holds ``settings.json`` (the settings that decide the numbers, JSON values; numpy numbers
+    and arrays are stored as numbers and lists, and NaN reopens as NaN) and ``<item id>.<table>.parquet``
+    (the id URL-quoted; one longer than :data:`RECORD_NAME_CHARS` shortened, with a SHA-256 of the whole
+    id), written atomically (:func:`write_shard`). A corrupted settings.json, model.json, table or done
+    marker is a ValueError naming the file and what to delete. A run with the same
     settings loads the items already there instead of computing them again; shards run side by
     side (:func:`in_shard`) write disjoint items into one folder, and a last run without a shard
     reads them all. Different settings raise a ValueError listing each difference. Given the ``model``,
