@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from iglens_models import CACHE_DIR, PACKAGED_MODELS, ROOT, convert_gguf, quiet_transformers  # noqa: F401 (re-exported)
+from iglens_models import (CACHE_DIR, PACKAGED_MODELS, ROOT, check_local_model, convert_gguf,  # noqa: F401
+                           looks_like_path, quiet_transformers)  # (re-exported)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of logits one readout chunk may hold
@@ -59,10 +60,12 @@ def resolve_model_path(name: str) -> str:
     """Map a model name to something ``from_pretrained`` can open without a network.
 
     Packaged names are converted once into ``CACHE_DIR`` (``$IGLENS_CACHE`` overrides it);
-    a local directory is used as is; a Hugging Face id must already be in the local hub cache.
+    a local directory is used as is (a name that looks like a path must be a folder with config.json,
+    weights and tokenizer: :func:`iglens_models.check_local_model`); a Hugging Face id must already be
+    in the local hub cache.
 
     Raises:
-        FileNotFoundError: naming the model and how to make it available.
+        FileNotFoundError: naming the model (or path) and how to make it available.
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name must be a packaged name {sorted(PACKAGED_MODELS)}, a local "
@@ -74,11 +77,15 @@ def resolve_model_path(name: str) -> str:
             cached.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(PACKAGED_MODELS[name](), cached)
         return str(cached)
-    if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
+    if looks_like_path(name):
+        return str(check_local_model(name))
     from huggingface_hub import try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return name
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return name
+    except ValueError as err:  # huggingface_hub's HFValidationError: not of the form owner/name
+        raise FileNotFoundError(f"model {name!r} is neither a packaged model {sorted(PACKAGED_MODELS)}, a local "
+                                f"folder, nor a Hugging Face id (owner/name): {err}") from None
     raise FileNotFoundError(
         f"Model {name!r} is not available offline. IG-Lens never downloads weights at run time. "
         f"Use one of the packaged models {sorted(PACKAGED_MODELS)}, pass a local directory "
@@ -1202,7 +1209,8 @@ class Readout:
         direct = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, **spec)])
         self.norm_kind = kind
         factorised = torch.cat([t.flatten() for t in self.along_segments(sample, targets[few], alphas, **spec)])
-        tol = 1e-4 * (1.0 + float(direct.abs().max()))
+        low = torch.finfo(self.dtype).eps if self.dtype in (torch.bfloat16, torch.float16) else 0.0  # rounded direct
+        tol = 1e-4 * (1.0 + float(direct.abs().max())) + 2 * low * float(direct.abs().max())
         if not torch.allclose(factorised, direct, atol=tol, rtol=0):
             warnings.warn(f"the final norm {type(self.adapter.norm).__name__} does not behave as "
                           f"s(h) A h + b ({self.norm_kind}); IG-Lens reads out every point on its own "

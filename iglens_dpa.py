@@ -18,6 +18,8 @@ holds the gated run of the model that the protocol and the gradient methods use)
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import warnings
 from typing import NamedTuple, Optional, Sequence
@@ -31,7 +33,7 @@ from iglens_core import (DEFAULT_MEMORY_BUDGET, Readout, check_quantity, collect
                          sublayer_module, sublayer_projection)
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 from iglens_baselines import frozen_parameters
-from iglens_graph import attribution_graph
+from iglens_graph import attribution_graph, non_finite_error
 from iglens_dpa_method import dpa_attribution, dpa_item, gated_run
 
 
@@ -734,6 +736,25 @@ def _ig_lens_scores(model, ids: torch.Tensor, target: int, estimator: str, steps
     return scores
 
 
+def _finite_scores(scorer):
+    """:func:`dpa_scores` checked: a ValueError naming the method and the model's non-finite parameters
+    (or an overflow) where a score is NaN or inf, instead of scores that rank NaN."""
+    signature = inspect.signature(scorer)
+
+    @functools.wraps(scorer)
+    def checked(*args, **kwargs):
+        scores = scorer(*args, **kwargs)
+        given = signature.bind(*args, **kwargs).arguments
+        model, method = given["model"], given["method"]
+        bad = {kind: int((~torch.isfinite(value)).sum()) for kind, value in scores.items() if value is not None}
+        if any(bad.values()):
+            counts = ", ".join(f"{count} of the {kind}" for kind, count in bad.items() if count)
+            raise non_finite_error(model, f"in the {method!r} scores ({counts})")
+        return scores
+    return checked
+
+
+@_finite_scores
 @torch.no_grad()
 def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, steps: int = 16,
                mask_steps: int = 32, mask_rule: str = "adaptive", quantity: str = "prob", subset: int = 128,

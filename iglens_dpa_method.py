@@ -20,7 +20,7 @@ from torch import nn
 
 from iglens_core import (check_sequence, eager_attention, first_output, get_adapter, head_counts, plain_number,
                          projection_weight, sublayer_module, sublayer_projection)
-from iglens_graph import REBUILD_TOLERANCE, LinearBlock, block_parts, freeze_norm, record_pass
+from iglens_graph import LinearBlock, block_parts, freeze_norm, non_finite_error, rebuild_tolerance, record_pass
 
 
 @contextmanager
@@ -78,6 +78,8 @@ def gated_run(model, edges=None, neurons=None, record: Optional[dict] = None):
                 return out, weights
             values = value[:, torch.arange(weights.shape[1], device=value.device)
                            // (weights.shape[1] // value.shape[1])]  # (B, H, S, hd) repeat_kv
+            if not bool(torch.isfinite(out).all()):
+                raise non_finite_error(model, f"at block {layer + 1}'s attention output")
             with torch.no_grad():
                 rebuilt = torch.matmul(weights, values).transpose(1, 2)
                 same = torch.allclose(rebuilt, out, rtol=1e-3, atol=1e-4 * float(out.abs().max()) + 1e-6)
@@ -150,7 +152,7 @@ class _RotarySide:
     ones; :meth:`back` is its transpose."""
 
     def __init__(self, proj: nn.Module, norm: Optional[nn.Module], heads: int, z: torch.Tensor, rotary,
-                 recorded: torch.Tensor, where: str):
+                 recorded: torch.Tensor, where: str, tol: float):
         weight, bias = projection_weight(proj)
         self.W = weight.double().cpu()  # (heads * hd, d)
         pre = z @ self.W.T + (bias.double().cpu() if bias is not None else 0.0)  # (S, heads * hd)
@@ -161,7 +163,7 @@ class _RotarySide:
             self.width = weight.shape[-1] if isinstance(weight, torch.Tensor) else hd
             rows = pre.reshape(-1, self.width)
             out = norm(rows.to(proj.weight.device, proj.weight.dtype)).double().cpu()  # the module's own
-            self.norm = freeze_norm(norm, rows, out, where)
+            self.norm = freeze_norm(norm, rows, out, where, tol)
             pre = self.norm.forward(rows).reshape(S, -1)
         no_rotation = (torch.ones(S, hd, dtype=torch.float64), torch.zeros(S, hd, dtype=torch.float64))
         cos, sin = rotary if rotary is not None else no_rotation
@@ -309,7 +311,8 @@ def dpa_attribution(model, input_ids, target: int, *, weights: Optional[dict] = 
                              f"({type(part['mlp']).__name__}) and attention {type(attention).__name__}")
     store, extra = _dpa_record(model, adapter, parts, ids)
     h_n = store["h", n]  # (S, d)
-    final = freeze_norm(adapter.norm, h_n[-1:], extra["final"], "the final norm")
+    tol = rebuild_tolerance(model)  # above float32's for a bfloat16 or float16 model (its rounded states)
+    final = freeze_norm(adapter.norm, h_n[-1:], extra["final"], "the final norm", tol)
     head_weight, head_bias = projection_weight(adapter.head)
     row = head_weight[target].double().cpu()  # (d,)
     cot = torch.zeros_like(h_n)  # (S, d) the cotangent on h_L, L = n first
@@ -323,19 +326,20 @@ def dpa_attribution(model, input_ids, target: int, *, weights: Optional[dict] = 
     carried[n] = (cot * h_n).sum(-1)
     for layer in reversed(range(n)):
         part, where = parts[layer], f"{name} block {layer + 1}"
-        block = LinearBlock(part, store, layer, H, H_kv, path=False)
+        block = LinearBlock(part, store, layer, H, H_kv, path=False, tol=tol)
         query, key, scaling, softcap = extra["qk"][layer]
         if softcap is not None:
             raise ValueError(f"{where}: attention soft-capping is not supported by DPA")
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5  # eager's default
         z, attention = block.norm1.forward(store["h", layer]), part["attention"]
         sides = [_RotarySide(getattr(attention, proj), getattr(attention, norm, None), heads, z,
-                             extra.get(("rotary", layer)), recorded[0].double().cpu(), f"{where} {proj}")
+                             extra.get(("rotary", layer)), recorded[0].double().cpu(), f"{where} {proj}", tol)
                  for proj, norm, heads, recorded in (("q_proj", "q_norm", H, query), ("k_proj", "k_norm", H_kv, key))]
         rebuild = max(block.rebuild, *(side.rebuild for side in sides))
-        if rebuild > REBUILD_TOLERANCE:
+        if not rebuild <= tol:  # NaN too
             raise ValueError(f"{where}: the frozen block does not rebuild the recorded pass (relative gap "
-                             f"{rebuild:.1e}); this architecture computes its blocks otherwise than DPA assumes")
+                             f"{rebuild:.1e}, tolerance {tol:.0e}); this architecture computes its blocks otherwise "
+                             "than DPA assumes")
         # MLP: up path (act(g) fixed) and gate path (gain act(g)/g fixed) in the graph's a, b slots
         block.a = weights["gate"] * _gate_gain(part["act"], block.g)  # (S, d_ff)
         block.b = weights["up"] * part["act"](block.g)

@@ -60,7 +60,8 @@ from torch import nn
 
 from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_same_model, check_sequence,
                          eager_attention, first_output, get_adapter, head_counts, hidden_arg, logits_at_end,
-                         projection_weight, quadrature, sublayer_module, sublayer_norm, sublayer_projection)
+                         plain_number, projection_weight, quadrature, sublayer_module, sublayer_norm,
+                         sublayer_projection)
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 
 PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
@@ -71,6 +72,12 @@ PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
 PATH_TIERS = ((1.0, 8), (2.0, 12), (4.0, 16), (8.0, 24), (16.0, 32))
 PATH_CHECK = 1e-15  # largest gap to the PATH_NODES rule, relative to max(1, |a|), for a smaller rule to be used
 REBUILD_TOLERANCE = 1e-3  # relative gap between the linearised block and the recorded states
+# A bfloat16 or float16 model's recorded states are rounded to its dtype (bfloat16: 2^-8 relative): the float64
+# rebuild from them misses them by about that, so the tolerance is at least twice the dtype's epsilon there
+# (measured on tiny Llama, Gemma 3, GPT-2, Qwen3, plain and sharpened: gaps up to 5.4e-3 in bfloat16, 6.2e-4 in
+# float16). Float32 and float64 keep REBUILD_TOLERANCE.
+# bytes the recorded patterns and, with edges=True, the edges may take, each (n, H, S, S) float64 (read at each call)
+GRAPH_MEMORY_BUDGET = 4 * 2**30
 GRAPH_COPY_BUDGET = 2 * 2**30  # bytes of float64 weight copies the graph keeps; above, each map casts its weight at use
 _RULES: dict = {}  # nodes -> Gauss-Legendre (t (m,), w (m,)) on [0, 1]
 
@@ -164,9 +171,10 @@ class _Norm:
         return cot - cot.mean(-1, keepdim=True) if self.centred else cot
 
 
-def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where: str) -> _Norm:
+def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where: str,
+                 tol: float = REBUILD_TOLERANCE) -> _Norm:
     """The norm ``norm`` at its recorded input ``x`` (S, d) float64, as a :class:`_Norm`; checked
-    against its recorded output."""
+    against its recorded output (relative gap up to ``tol``, :func:`rebuild_tolerance`)."""
     name = type(norm).__name__
     weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
     weight = weight.detach().double().cpu() if isinstance(weight, torch.Tensor) else None
@@ -189,9 +197,11 @@ def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where
                          "the attribution graph does not support it")
     gaps = [float((c.forward(x) - recorded).norm() / recorded.norm().clamp_min(1e-30)) for c in candidates]
     best = int(np.argmin(gaps))
-    if gaps[best] > REBUILD_TOLERANCE:
+    if not gaps[best] <= tol:  # NaN too
         raise ValueError(f"{where}: the norm {name} at a fixed denominator does not reproduce its "
-                         f"output (relative gap {gaps[best]:.1e}); unsupported norm")
+                         f"output (relative gap {gaps[best]:.1e}, tolerance {tol:.0e}); unsupported norm"
+                         + ("; or, in this bfloat16 or float16 model, an overflow or its rounding: run it in "
+                            "float32 (model.float())" if tol > REBUILD_TOLERANCE else ""))
     return candidates[best]
 
 
@@ -359,7 +369,9 @@ class Graph:
 
         Args:
             nodes: e.g. :meth:`pruned`'s, and :meth:`logit_node` (seeded with the top terms' gradients
-                at the predicting position: it splits ``delta``).
+                at the predicting position: it splits ``delta``). Each must be this graph's: kind, block,
+                position and index in range and its share this graph's there (:meth:`share_of`); a node
+                out of range or of another graph is a ValueError naming it and the valid ranges.
             direct: False: ``weights[i, j]`` is all of j's share that flows through i, by any path.
                 True: only the paths that meet no other node of ``nodes`` between i and j (the sweep
                 stops at every node it credits), so that when ``nodes`` holds every token embedding
@@ -374,8 +386,8 @@ class Graph:
         if not isinstance(direct, bool):
             raise ValueError(f"direct must be True or False, got {direct!r}")
         blocks, cotangents, h0 = self._maps
+        nodes = self._check_nodes(nodes)
         n, N, used, S = len(blocks), len(nodes), h0.shape[0], len(self.input_ids)  # positions >= used carry nothing
-        nodes = [Node(*node) for node in nodes]
         weights = torch.zeros(N, N, dtype=torch.float64)
         embeddings = torch.zeros(N, S, dtype=torch.float64)
         constants = torch.zeros(N, dtype=torch.float64)
@@ -400,9 +412,6 @@ class Graph:
 
         for j, node in enumerate(nodes):
             top = node.kind == "logit"
-            if node.kind not in ("head", "neuron", "embedding", "logit") or not (
-                    (n + 1, self.position) == (node.block, node.position) if top else 0 <= node.block <= n):
-                raise ValueError(f"nodes[{j}] = {node} is not a node of this graph")
             if node.kind == "embedding":
                 embeddings[j, node.position] = self.embeddings[node.position]
                 continue
@@ -438,6 +447,48 @@ class Graph:
             for i, position, _ in slots.get(("embedding", 0), []):
                 weights[i, j] = embeddings[j, position]
         return Adjacency(nodes, weights, embeddings, constants)
+
+    def share_of(self, kind: str, block: int, position: int, index: int) -> float:
+        """The share of one node of this graph (see :class:`Node`); a ValueError naming the valid ranges."""
+        return float(self._check_nodes([(kind, block, position, index, None)], shares=False)[0].share)
+
+    def _check_nodes(self, nodes, shares: bool = True) -> list[Node]:
+        """``nodes`` as :class:`Node` s of this graph, each its share filled in (``shares=False``) or checked
+        against this graph's (``shares``: a node of another graph has another share), or a ValueError naming
+        the bad node and the valid ranges."""
+        if isinstance(nodes, (str, bytes, Node)) or not isinstance(nodes, Sequence):
+            raise ValueError(f"nodes must be a list of Node (kind, block, position, index, share), e.g. "
+                             f"graph.pruned()'s, got {type(nodes).__name__} {str(nodes)[:80]!r}")
+        n, S, (H, d_ff) = self.n_layers, len(self.input_ids), (self.heads.shape[1], self.neurons.shape[-1])
+        ranges = {"embedding": f"block 0, position 0..{S - 1}, index 0",
+                  "head": f"block 1..{n}, position 0..{S - 1}, index (head) 0..{H - 1}",
+                  "neuron": f"block 1..{n}, position 0..{S - 1}, index (neuron) 0..{d_ff - 1}",
+                  "logit": f"block {n + 1}, position {self.position}, index {self.target} (graph.logit_node())"}
+        out = []
+        for j, node in enumerate(nodes):
+            fields = tuple(node) if isinstance(node, (tuple, list)) else ()
+            if len(fields) != 5:
+                raise ValueError(f"nodes[{j}] = {node!r} is not a Node (kind, block, position, index, share)")
+            kind, block, position, index, share = (plain_number(x) for x in fields)
+            whole = all(not isinstance(x, bool) and isinstance(x, int) for x in (block, position, index))
+            if not isinstance(kind, str) or kind not in ranges or not whole or not (
+                    (block, position, index) == (n + 1, self.position, self.target) if kind == "logit" else
+                    block == 0 and index == 0 and 0 <= position < S if kind == "embedding" else
+                    1 <= block <= n and 0 <= position < S and 0 <= index < (H if kind == "head" else d_ff)):
+                valid = f"a {kind} node has {ranges[kind]}" if isinstance(kind, str) and kind in ranges else \
+                    f"kind must be one of {list(ranges)}"
+                raise ValueError(f"nodes[{j}] = {Node(*fields)} is not a node of this graph: {valid} "
+                                 f"(integers; {n} blocks, {H} heads, {d_ff} neurons, {S} positions)")
+            own = float(self.delta if kind == "logit" else self.embeddings[position] if kind == "embedding" else
+                        self.heads[block - 1, index, position] if kind == "head" else
+                        self.neurons[block - 1, position, index])
+            if shares and not (isinstance(share, (int, float)) and not isinstance(share, bool)
+                               and abs(share - own) <= 1e-9 * max(abs(own), abs(self.delta))):
+                raise ValueError(f"nodes[{j}] = {Node(*fields)} has share {share!r}, but this graph's {kind} there "
+                                 f"has {own!r}: a node of another graph, or a share set by hand (give this graph's "
+                                 "nodes: pruned(), logit_node(), or share_of() for the share)")
+            out.append(Node(kind, int(block), int(position), int(index), own))
+        return out
 
     def pruned(self, fraction: float = 0.8) -> list[Node]:
         """The nodes that together carry ``fraction`` of the total |share| of their layer-kind.
@@ -509,7 +560,10 @@ def _record(model, adapter, parts: list[dict], input_ids: torch.Tensor) -> dict:
         stack.enter_context(eager_attention(model))
         stack.enter_context(_float64_softmax(next(model.parameters()).dtype == torch.float64))
         with torch.no_grad():
-            logits_at_end(model, 1, input_ids=input_ids.to(next(model.parameters()).device))
+            logits = logits_at_end(model, 1, input_ids=input_ids.to(next(model.parameters()).device))
+    _check_finite(model, store)
+    if not bool(torch.isfinite(logits).all()):
+        raise non_finite_error(model, "in the logits (the final norm and the head)")
     return store
 
 
@@ -540,6 +594,47 @@ def _gap(rebuilt: torch.Tensor, recorded: torch.Tensor) -> float:
     return float((rebuilt - recorded).norm() / recorded.norm().clamp_min(1e-30))
 
 
+def rebuild_tolerance(model) -> float:
+    """The relative gap allowed between a frozen norm or linearised block and the recorded pass:
+    :data:`REBUILD_TOLERANCE`, or twice the epsilon of a bfloat16 or float16 model's dtype, whose
+    recorded states are rounded to it (the graph is computed in float64 from them, as ``components``)."""
+    dtype = next(model.parameters()).dtype
+    return max(REBUILD_TOLERANCE, 2 * torch.finfo(dtype).eps) if dtype.is_floating_point else REBUILD_TOLERANCE
+
+
+def non_finite_parameters(model) -> list[str]:
+    """Names of the model's parameters holding NaN or inf (offloaded ``meta`` ones are skipped)."""
+    return [name for name, p in model.named_parameters()
+            if p.is_floating_point() and not p.is_meta and not bool(torch.isfinite(p).all())]
+
+
+def non_finite_error(model, where: str) -> ValueError:
+    """The ValueError for a pass that is NaN or inf ``where`` ("first at the output of block 2"): it names
+    the non-finite parameters, or, with none, says that the activations overflow the model's dtype."""
+    bad, dtype = non_finite_parameters(model), next(model.parameters()).dtype
+    cause = (f"the parameters {bad[:5]}{f' (and {len(bad) - 5} more)' if len(bad) > 5 else ''} hold NaN or inf: "
+             "fix or reload the weights" if bad else
+             f"no parameter is NaN or inf, so the activations overflow {dtype}: run the model in float32 "
+             "(model.float())")
+    return ValueError(f"the model's pass holds NaN or inf {where}; {cause}")
+
+
+_RECORDED = {"h": "the input of block {}", "norm1": "block {}'s input norm", "norm2": "block {}'s pre-MLP norm",
+             "post_attn": "block {}'s post-attention norm", "post_mlp": "block {}'s post-MLP norm",
+             "pattern": "block {}'s attention pattern"}
+
+
+def _check_finite(model, store: dict) -> None:
+    """A ValueError (:func:`non_finite_error`) where the recorded pass (in pass order) first holds NaN or inf."""
+    for key, value in store.items():
+        if not bool(torch.isfinite(value).all()):
+            name, layer = key[0] if isinstance(key[0], tuple) else key
+            side = f" ({key[1]}put)" if isinstance(key[0], tuple) else ""
+            where = ("the token embeddings (the input of block 1)" if key == ("h", 0) else
+                     f"the output of block {layer}" if name == "h" else _RECORDED[name].format(layer + 1) + side)
+            raise non_finite_error(model, "first at " + where)
+
+
 def _check_int(name: str, value, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}")
@@ -551,14 +646,16 @@ class _Block:
     path integral from 0. Holds what the sweep reads (S positions, float64) and its four backward maps,
     each returning the credit of the constants it passes."""
 
-    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int, path: bool = True, keep: bool = True):
+    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int, path: bool = True, keep: bool = True,
+                 tol: float = REBUILD_TOLERANCE):
         where = f"block {layer + 1}"  # path=False: a gated MLP's a, b are left to the caller (DPA)
+        # tol: the norms' rebuild tolerance (:func:`rebuild_tolerance`)
         # keep=False: the weights stay the model's tensors, cast to float64 at each use (a 1.5B model's
         # float64 copies of every block would take ~10 GB); the numbers are the same
         x, mid, out = store[("h", layer)], store[("norm2", layer), "in"], store[("h", layer + 1)]  # (S, d)
         S, d = x.shape
         # ---- the MLP, frozen at its recorded input
-        self.norm2 = _freeze_norm(part["norm2"], mid, store[("norm2", layer), "out"], where + " pre-MLP norm")
+        self.norm2 = _freeze_norm(part["norm2"], mid, store[("norm2", layer), "out"], where + " pre-MLP norm", tol)
         z = self.norm2.forward(mid)  # (S, d)
         self.W_down, self.b_down = _weights(part["down_proj"], keep)  # (d, d_ff), (d,)
         act, self.kind, self.defect = part["act"], part["kind"], 0.0
@@ -578,11 +675,11 @@ class _Block:
             self.slope = torch.where(p != 0, (self.m - self.m_const) / torch.where(p != 0, p, 1.0),
                                      _derivative(act, b_1).expand_as(p))  # (S, d_ff)
         y = self.m @ _f64(self.W_down).T + (self.b_down if self.b_down is not None else 0.0)  # (S, d)
-        self.post2 = (_freeze_norm(part["post_mlp"], y, store[("post_mlp", layer), "out"], where + " post-MLP norm")
-                      if part["post_mlp"] is not None else None)
+        self.post2 = (_freeze_norm(part["post_mlp"], y, store[("post_mlp", layer), "out"], where + " post-MLP norm",
+                                   tol) if part["post_mlp"] is not None else None)
         self.rebuild = _gap(mid + (self.post2.forward(y) if self.post2 is not None else y), out)
         # ---- the attention, patterns and denominators fixed
-        self.norm1 = _freeze_norm(part["norm1"], x, store[("norm1", layer), "out"], where + " input norm")
+        self.norm1 = _freeze_norm(part["norm1"], x, store[("norm1", layer), "out"], where + " input norm", tol)
         name, module = part["values"]
         W_v, b_v = _weights(module, keep)
         if name == "c_attn":  # GPT-2: queries, keys, values stacked
@@ -601,7 +698,7 @@ class _Block:
         self.W_o, self.b_o = _weights(part["out_proj"], keep)  # (d, H * hd)
         o = self.zh.reshape(S, -1) @ _f64(self.W_o).T + (self.b_o if self.b_o is not None else 0.0)  # (S, d)
         self.post1 = (_freeze_norm(part["post_attn"], o, store[("post_attn", layer), "out"],
-                                   where + " post-attention norm") if part["post_attn"] is not None else None)
+                                   where + " post-attention norm", tol) if part["post_attn"] is not None else None)
         self.rebuild = max(self.rebuild, _gap(x + (self.post1.forward(o) if self.post1 is not None else o), mid))
 
     def mlp_from_output(self, c_y: torch.Tensor, rows=slice(None)) -> tuple[torch.Tensor, float]:
@@ -655,16 +752,22 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         estimator, steps: IG-Lens's gradient estimator for the top terms (as ``components``);
             ``"prediction_aware"`` makes ``delta`` equal ``f(h_n) - f(h_0)`` exactly.
         quantity, foil, readout: as ``ig_lens`` (foil: one id or one per answer token).
-        edges: also return the (n, H, S, S) edges (float64; skip them for long sequences).
+        edges: also return the (n, H, S, S) edges (float64; skip them for long sequences: with the
+            recorded patterns, of the same size, they must fit :data:`GRAPH_MEMORY_BUDGET`).
         maps: keep every block's linearised maps (float64 copies of its weights) on the graph, for
             :meth:`Graph.adjacency`.
+
+    Precision: float64 from the model's own recorded activations, for a bfloat16 or float16 model too;
+    its states are rounded to its dtype, so the rebuild checks allow :func:`rebuild_tolerance` and the
+    identities hold to that rounding.
 
     Returns:
         :class:`Graph`.
 
     Raises:
         ValueError: a model in training mode, an unsupported architecture, a bad argument (named,
-            with its valid range), a readout from another model.
+            with its valid range), a readout from another model, a pass holding NaN or inf (naming
+            where, and the non-finite parameters), edges or patterns beyond the memory budget.
     """
     model = as_model(model)
     _check_model_mode(model)
@@ -672,6 +775,23 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
     token = _check_int("token", token, 0, input_ids.shape[1] - prompt_len - 1)
     return next(attribution_graphs(model, input_ids, prompt_len, tokens=[token], estimator=estimator, steps=steps,
                                    quantity=quantity, foil=foil, readout=readout, edges=edges, maps=maps))
+
+
+def _check_memory(n: int, H: int, S: int, edges: bool) -> None:
+    """Refuse, before any work, a sequence whose recorded patterns and (``edges``) edges, each (n, H, S, S)
+    float64, would exceed :data:`GRAPH_MEMORY_BUDGET`."""
+    one, budget = 8 * n * H * S * S, GRAPH_MEMORY_BUDGET
+    if one * (2 if edges else 1) <= budget:
+        return
+    size = f"{n} blocks x {H} heads x {S}^2 positions in float64"
+    if edges and one <= budget:
+        raise ValueError(f"edges=True needs about {2 * one / 2**30:.1f} GiB for the edges and the recorded patterns "
+                         f"({size}, {one / 2**30:.1f} GiB each), beyond iglens_graph.GRAPH_MEMORY_BUDGET = "
+                         f"{budget / 2**30:.1f} GiB: pass edges=False (heads, neurons and carried maps need the "
+                         "patterns only), a shorter sequence, or raise the budget")
+    raise ValueError(f"the recorded attention patterns alone need about {one / 2**30:.1f} GiB ({size}), beyond "
+                     f"iglens_graph.GRAPH_MEMORY_BUDGET = {budget / 2**30:.1f} GiB: pass a shorter sequence "
+                     "(at most the predicting positions' prefix), or raise the budget")
 
 
 def _check_model_mode(model) -> None:
@@ -724,6 +844,7 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     targets = input_ids[0, prompt_len:]
     foils = check_foil(foil, targets, readout.vocab_size)
     H, H_kv = head_counts(model)
+    _check_memory(n, H, S, edges)
     parts = [_block_parts(block, layer) for layer, block in enumerate(adapter.blocks)]
     store = _record(model, adapter, parts, input_ids)
     at = torch.tensor([prompt_len - 1 + token for token in tokens])  # (T',) predicting positions
@@ -744,14 +865,18 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
                                            foils=None if foils is None else foils[picked],
                                            quantity=quantity)  # (2n, T', d), (2n+1, T')
     gbars, lenses = gbars.double().cpu(), lenses.double().cpu()
+    if not bool(torch.isfinite(gbars).all() and torch.isfinite(lenses).all()):
+        raise non_finite_error(model, "in the readout of the recorded states (the final norm and the head)")
 
     copies = 8 * sum(p.numel() for block in adapter.blocks for p in block.parameters() if p.dtype != torch.float64)
     keep = maps or copies <= GRAPH_COPY_BUDGET  # float64 copies of every block's weights, or a cast at each use
-    blocks = [_Block(parts[layer], store, layer, H, H_kv, keep=keep) for layer in range(n)]
+    tol = rebuild_tolerance(model)
+    blocks = [_Block(parts[layer], store, layer, H, H_kv, keep=keep, tol=tol) for layer in range(n)]
     rebuild = max(block.rebuild for block in blocks)
-    if rebuild > REBUILD_TOLERANCE:
-        raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}): "
-                         "this architecture computes its blocks otherwise than the graph assumes")
+    if not rebuild <= tol:  # NaN too
+        raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}, "
+                         f"tolerance {tol:.0e}): this architecture computes its blocks otherwise than the graph "
+                         "assumes")
     shared = dict(blocks=blocks, h=h, mid=mid, H=H, S=S, edges=edges, maps=maps, rebuild=rebuild,
                   quantity=quantity, estimator=estimator, steps=steps, input_ids=input_ids[0].clone())
 

@@ -94,6 +94,42 @@ def quiet_transformers() -> None:
     transformers.logging.disable_progress_bar()
 
 
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether a model name is meant as a local path rather than a Hugging Face id (``owner/name``):
+    it exists, is absolute, starts with ``.`` or ``~``, has more than one ``/`` or a backslash, or ends in
+    ``.gguf``."""
+    return (Path(name).expanduser().exists() or name.startswith((".", "~", "/")) or name.count("/") > 1
+            or "\\" in name or name.lower().endswith(".gguf"))
+
+
+def check_local_model(name: str) -> Path:
+    """A local model folder as ``from_pretrained`` opens it, or a FileNotFoundError naming the path and
+    what it lacks: it must exist, be a folder (a ``.gguf`` file: :func:`convert_gguf` it first) and hold
+    ``config.json``, the weights (``*.safetensors`` or ``pytorch_model*.bin``) and the tokenizer's files."""
+    path = Path(name).expanduser()
+    expected = "a folder holding config.json, the weights (*.safetensors) and the tokenizer's files"
+    if not path.exists():
+        raise FileNotFoundError(f"model folder {name!r} does not exist ({path.resolve()}); give {expected}, a "
+                                f"packaged model {sorted(PACKAGED_MODELS)} or a Hugging Face id (owner/name)")
+    if not path.is_dir():
+        hint = (f"; convert it once: iglens_models.convert_gguf({name!r}, out_dir), then load out_dir"
+                if path.suffix.lower() == ".gguf" else "")
+        raise FileNotFoundError(f"model {name!r} is a file, not a folder: give {expected}{hint}")
+    missing = [what for what, patterns in (("config.json", ("config.json",)), ("the weights", WEIGHT_FILES),
+                                           ("the tokenizer", TOKENIZER_FILES))
+               if not any(any(path.glob(pattern)) for pattern in patterns)]
+    if missing:
+        raise FileNotFoundError(f"model folder {name!r} lacks {' and '.join(missing)}: it must hold config.json, "
+                                f"the weights ({' or '.join(WEIGHT_FILES[::2])}) and the tokenizer's files "
+                                f"({', '.join(TOKENIZER_FILES[:3])}...), as save_pretrained writes them")
+    return path
+
+
 def _gguf_field(gguf_path: Path, key: str):
     """One scalar metadata value of a GGUF file, or None when the file does not have it."""
     import gguf
@@ -109,8 +145,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         out_dir: folder to write ``config.json``, ``model.safetensors`` and the tokenizer to.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    quiet_transformers()
     gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"convert_gguf needs a .gguf file on disk, got {str(gguf_path)!r} "
+                                f"({'a folder' if gguf_path.is_dir() else 'no such file'})")
+    quiet_transformers()
     kwargs = dict(gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
     # transformers 5.18 drops the GGUF's add_bos_token flag (Gemma needs its <bos>): restore it

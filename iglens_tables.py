@@ -13,9 +13,11 @@ turns a nested per-item result into such a table.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 from urllib.parse import quote
 from collections import Counter
 from pathlib import Path
@@ -24,7 +26,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 import torch
 
-from iglens_core import Attribution, model_fingerprint
+from iglens_core import Attribution, model_fingerprint, plain_number
 from iglens_stats import top_parts
 
 
@@ -262,22 +264,29 @@ def result_tables(results, errors, pieces=None):
 
 def in_shard(index: int, shard: str) -> bool:
     """Whether item ``index`` (0-based) belongs to ``shard``: ``"r/k"`` takes the items ``i % k == r``
-    (``0 <= r < k``); ``""`` takes them all."""
+    (``0 <= r < k``, ASCII digits); ``""`` takes them all."""
     if not isinstance(shard, str):
         raise ValueError(f"shard must be a string 'r/k' (0 <= r < k) or '', got {shard!r}")
+    value = plain_number(index)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"index must be an item's 0-based position, an integer >= 0, got {index!r}")
     if not shard:
         return True
-    parts = shard.split("/")
-    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts) or not 0 <= int(parts[0]) < int(parts[1]):
-        raise ValueError(f"shard must be 'r/k' with integers 0 <= r < k (items i % k == r), or '', got {shard!r}")
-    return index % int(parts[1]) == int(parts[0])
+    parts = re.fullmatch(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*", shard, re.ASCII)
+    if parts is None or not int(parts[1]) < int(parts[2]):
+        raise ValueError(f"shard must be 'r/k' with integers 0 <= r < k in ASCII digits (items i % k == r), or '', "
+                         f"got {shard!r}")
+    return int(value) % int(parts[2]) == int(parts[1])
 
 
 class ItemRecords:
     """Per-item tables of a long run, one parquet file per item and table, so that it resumes.
 
-    ``folder`` holds ``settings.json`` (the settings that decide the numbers, JSON values) and
-    ``<item id>.<table>.parquet``, written atomically (:func:`write_shard`). A run with the same
+    ``folder`` holds ``settings.json`` (the settings that decide the numbers, JSON values; numpy numbers
+    and arrays are stored as numbers and lists, and NaN reopens as NaN) and ``<item id>.<table>.parquet``
+    (the id URL-quoted; one longer than :data:`RECORD_NAME_CHARS` shortened, with a SHA-256 of the whole
+    id), written atomically (:func:`write_shard`). A corrupted settings.json, model.json, table or done
+    marker is a ValueError naming the file and what to delete. A run with the same
     settings loads the items already there instead of computing them again; shards run side by
     side (:func:`in_shard`) write disjoint items into one folder, and a last run without a shard
     reads them all. Different settings raise a ValueError listing each difference. Given the ``model``,
@@ -289,13 +298,29 @@ class ItemRecords:
 
     def __init__(self, folder: Union[str, Path], settings: dict, model=None):
         self.folder = Path(folder)
-        settings = json.loads(json.dumps(settings))  # as stored: tuples become lists
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if not isinstance(settings, dict):
+            raise ValueError(f"settings must be a dict of JSON values, got {type(settings).__name__}")
+        try:  # as stored: tuples become lists, numpy scalars and arrays numbers and lists
+            settings = json.loads(json.dumps(settings, default=_plain))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"settings must hold JSON values (dicts with text keys, lists, numbers, text, True/False, "
+                             f"None; numpy numbers and arrays), got {settings!r:.200}: {err}") from None
+        if self.folder.exists() and not self.folder.is_dir():
+            raise ValueError(f"folder {str(self.folder)!r} is a file: give a folder path (it holds settings.json and "
+                             "one parquet file per item and table)")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"cannot make the records folder {str(self.folder)!r}: {err}") from None
         path = self.folder / "settings.json"
         if path.exists():
-            stored = json.loads(path.read_text(encoding="utf-8"))
+            stored = _read_json(path, "settings", "delete it only if the records there are of these settings, or give "
+                                "another folder")
+            if not isinstance(stored, dict):
+                raise ValueError(f"{path} holds {type(stored).__name__}, not the settings' JSON object: delete it only "
+                                 "if the records there are of these settings, or give another folder")
             differ = [f"{key}: {stored.get(key)!r} in {self.folder}, {settings.get(key)!r} now"
-                      for key in sorted(set(stored) | set(settings)) if stored.get(key) != settings.get(key)]
+                      for key in sorted(set(stored) | set(settings)) if not _same(stored.get(key), settings.get(key))]
             if differ:
                 raise ValueError(f"the records in {self.folder} were made with other settings ({'; '.join(differ)});"
                                  " run with the same settings, or give another folder")
@@ -315,7 +340,12 @@ class ItemRecords:
             return
         path = self.folder / "model.json"
         if path.exists():
-            stored = torch.tensor(json.loads(path.read_text(encoding="utf-8")), dtype=torch.float64)
+            stored = _read_json(path, "model fingerprint", "delete it to adopt this model's")
+            try:
+                stored = torch.tensor(stored, dtype=torch.float64)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"{path} does not hold a list of numbers (the model fingerprint): delete it to adopt "
+                                 "this model's") from None
             if stored.shape != own.shape or not torch.allclose(stored, own, rtol=1e-2, atol=1e-8):
                 raise ValueError(f"the records in {self.folder} were made with another model's weights (they differ at "
                                  "the sampled entries of ig.model_fingerprint, model.json there): give another folder")
@@ -325,7 +355,13 @@ class ItemRecords:
             os.replace(tmp, path)
 
     def _path(self, item_id, table: str) -> Path:
-        return self.folder / f"{quote(str(item_id), safe='')}.{table}.parquet"
+        """``<quoted id>.<table>.parquet``; an id whose quoted form is longer than :data:`RECORD_NAME_CHARS`
+        keeps its first characters and a SHA-256 of the whole id (file names are at most 255 bytes)."""
+        name = quote(str(item_id), safe="", errors="surrogatepass")
+        if len(name) > RECORD_NAME_CHARS:  # "=" never appears in a quoted id: no clash with a short one
+            digest = hashlib.sha256(str(item_id).encode("utf-8", "surrogatepass")).hexdigest()
+            name = f"{name[:RECORD_NAME_CHARS - 65]}={digest}"
+        return self.folder / f"{name}.{table}.parquet"
 
     def __contains__(self, item_id) -> bool:
         """Every table of the item was written (the ``done`` marker is written last)."""
@@ -335,18 +371,64 @@ class ItemRecords:
         """Write the item's tables (DataFrames), then its ``done`` marker."""
         import pandas as pd
         for name, frame in tables.items():
-            if name == "done" or not name.isidentifier():
-                raise ValueError(f"table names must be identifiers other than 'done', got {name!r}")
+            if name == "done" or not name.isidentifier() or len(name) > RECORD_TABLE_CHARS:
+                raise ValueError(f"table names must be identifiers other than 'done', at most {RECORD_TABLE_CHARS} "
+                                 f"characters, got {name!r}")
             write_shard(frame, self._path(item_id, name))
         write_shard(pd.DataFrame({"tables": [",".join(tables)]}), self._path(item_id, "done"))
 
     def load(self, item_id) -> dict:
         """``{table: DataFrame}`` of an item written by :meth:`save`."""
-        import pandas as pd
         if item_id not in self:
             raise KeyError(f"no complete record of item {item_id!r} in {self.folder}")
-        names = pd.read_parquet(self._path(item_id, "done"))["tables"][0]
-        return {name: pd.read_parquet(self._path(item_id, name)) for name in names.split(",") if name}
+        marker = self._path(item_id, "done")
+        done = _read_parquet(marker, item_id, marker)
+        names = done["tables"][0] if "tables" in done.columns and len(done) == 1 else None
+        if not isinstance(names, str):
+            raise ValueError(f"the done marker {self._path(item_id, 'done')} of item {item_id!r} does not list its "
+                             f"tables: delete it to compute the item again")
+        return {name: _read_parquet(self._path(item_id, name), item_id, marker) for name in names.split(",") if name}
+
+
+# a record's file name ".<item>.<table>.parquet.tmp" must fit 255 bytes: the quoted item id up to RECORD_NAME_CHARS
+# (a longer one is shortened, a hash of the whole id kept), a table name up to RECORD_TABLE_CHARS
+RECORD_NAME_CHARS, RECORD_TABLE_CHARS = 200, 40
+
+
+def _plain(value):
+    """A numpy number or numeric array in settings, as JSON holds it."""
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biuf":
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def _same(a, b) -> bool:
+    """JSON values equal, NaN equal to NaN (settings holding NaN must reopen)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _read_json(path: Path, what: str, fix: str):
+    """The JSON in ``path``, or a ValueError naming the file, what it holds, and ``fix``."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} (the records' {what}) is not readable JSON ({err}): {fix}") from None
+
+
+def _read_parquet(path: Path, item_id, marker: Path):
+    """One table of an item's record, or a ValueError naming the file and how to recompute the item."""
+    import pandas as pd
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError) as err:  # a missing file; pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"the record of item {item_id!r} is unreadable: {path} ({type(err).__name__}: {err}); delete "
+                         f"{marker} to compute the item again") from None
 
 
 def _encode(value):
@@ -515,15 +597,27 @@ def graph_frame(graphs: Iterable, tokenizer, top_k: int = 20):
     ``"prediction_aware"``), ``quantity``; inapplicable entries are null.
 
     Args:
-        graphs: :class:`iglens_graph.Graph` objects, e.g. :func:`iglens_graph.attribution_graphs`'s (read once, one graph at a time).
-        tokenizer: for the tokens' text.
+        graphs: :class:`iglens_graph.Graph` objects, e.g. :func:`iglens_graph.attribution_graphs`'s (read once, one
+            graph at a time), or one Graph.
+        tokenizer: for the tokens' text (anything with ``decode``).
         top_k: nodes written per graph, an integer >= 1.
     """
     import pandas as pd
+    from iglens_graph import Graph
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k must be an integer >= 1 (nodes written per answer token), got {top_k!r}")
+    if not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"tokenizer must be the model's tokenizer (with .decode, for the tokens' text), "
+                         f"got {type(tokenizer).__name__}")
+    graphs = [graphs] if isinstance(graphs, Graph) else graphs
+    if isinstance(graphs, (str, bytes, dict)) or not hasattr(graphs, "__iter__"):
+        raise ValueError(f"graphs must be iglens_graph.Graph objects (one, a list, or attribution_graphs' iterator), "
+                         f"got {type(graphs).__name__}")
     frames, ids, texts = [], None, None
-    for graph in graphs:
+    for i, graph in enumerate(graphs):
+        if not isinstance(graph, Graph):
+            raise ValueError(f"graphs[{i}] must be an iglens_graph.Graph (from attribution_graph or "
+                             f"attribution_graphs), got {type(graph).__name__}")
         if ids is None or not torch.equal(ids, graph.input_ids):
             ids, texts = graph.input_ids, graph.tokens(tokenizer)
         frames.append(_graph_rows(graph, texts, int(top_k)))
