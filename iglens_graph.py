@@ -63,6 +63,8 @@ from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_
                          plain_number, projection_weight, quadrature, sublayer_module, sublayer_norm,
                          sublayer_projection)
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
+from iglens_checks import (REBUILD_TOLERANCE, check_finite_pass, check_memory,  # noqa: F401 (public names here too)
+                           non_finite_error, non_finite_parameters, rebuild_tolerance)
 
 PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
 # Smaller rules tried first where |g| is small (the integrand t act'(t g) is then smooth on [0, 1]): (largest
@@ -71,11 +73,6 @@ PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
 # 32 up to 16 (SiLU); half of SmolLM2's gates have |g| <= 0.52 and 96% <= 2: ~10 evaluations per entry, not 64.
 PATH_TIERS = ((1.0, 8), (2.0, 12), (4.0, 16), (8.0, 24), (16.0, 32))
 PATH_CHECK = 1e-15  # largest gap to the PATH_NODES rule, relative to max(1, |a|), for a smaller rule to be used
-REBUILD_TOLERANCE = 1e-3  # relative gap between the linearised block and the recorded states
-# A bfloat16 or float16 model's recorded states are rounded to its dtype (bfloat16: 2^-8 relative): the float64
-# rebuild from them misses them by about that, so the tolerance is at least twice the dtype's epsilon there
-# (measured on tiny Llama, Gemma 3, GPT-2, Qwen3, plain and sharpened: gaps up to 5.4e-3 in bfloat16, 6.2e-4 in
-# float16). Float32 and float64 keep REBUILD_TOLERANCE.
 # bytes the recorded patterns and, with edges=True, the edges may take, each (n, H, S, S) float64 (read at each call)
 GRAPH_MEMORY_BUDGET = 4 * 2**30
 GRAPH_COPY_BUDGET = 2 * 2**30  # bytes of float64 weight copies the graph keeps; above, each map casts its weight at use
@@ -561,7 +558,7 @@ def _record(model, adapter, parts: list[dict], input_ids: torch.Tensor) -> dict:
         stack.enter_context(_float64_softmax(next(model.parameters()).dtype == torch.float64))
         with torch.no_grad():
             logits = logits_at_end(model, 1, input_ids=input_ids.to(next(model.parameters()).device))
-    _check_finite(model, store)
+    check_finite_pass(model, store)
     if not bool(torch.isfinite(logits).all()):
         raise non_finite_error(model, "in the logits (the final norm and the head)")
     return store
@@ -594,45 +591,7 @@ def _gap(rebuilt: torch.Tensor, recorded: torch.Tensor) -> float:
     return float((rebuilt - recorded).norm() / recorded.norm().clamp_min(1e-30))
 
 
-def rebuild_tolerance(model) -> float:
-    """The relative gap allowed between a frozen norm or linearised block and the recorded pass:
-    :data:`REBUILD_TOLERANCE`, or twice the epsilon of a bfloat16 or float16 model's dtype, whose
-    recorded states are rounded to it (the graph is computed in float64 from them, as ``components``)."""
-    dtype = next(model.parameters()).dtype
-    return max(REBUILD_TOLERANCE, 2 * torch.finfo(dtype).eps) if dtype.is_floating_point else REBUILD_TOLERANCE
 
-
-def non_finite_parameters(model) -> list[str]:
-    """Names of the model's parameters holding NaN or inf (offloaded ``meta`` ones are skipped)."""
-    return [name for name, p in model.named_parameters()
-            if p.is_floating_point() and not p.is_meta and not bool(torch.isfinite(p).all())]
-
-
-def non_finite_error(model, where: str) -> ValueError:
-    """The ValueError for a pass that is NaN or inf ``where`` ("first at the output of block 2"): it names
-    the non-finite parameters, or, with none, says that the activations overflow the model's dtype."""
-    bad, dtype = non_finite_parameters(model), next(model.parameters()).dtype
-    cause = (f"the parameters {bad[:5]}{f' (and {len(bad) - 5} more)' if len(bad) > 5 else ''} hold NaN or inf: "
-             "fix or reload the weights" if bad else
-             f"no parameter is NaN or inf, so the activations overflow {dtype}: run the model in float32 "
-             "(model.float())")
-    return ValueError(f"the model's pass holds NaN or inf {where}; {cause}")
-
-
-_RECORDED = {"h": "the input of block {}", "norm1": "block {}'s input norm", "norm2": "block {}'s pre-MLP norm",
-             "post_attn": "block {}'s post-attention norm", "post_mlp": "block {}'s post-MLP norm",
-             "pattern": "block {}'s attention pattern"}
-
-
-def _check_finite(model, store: dict) -> None:
-    """A ValueError (:func:`non_finite_error`) where the recorded pass (in pass order) first holds NaN or inf."""
-    for key, value in store.items():
-        if not bool(torch.isfinite(value).all()):
-            name, layer = key[0] if isinstance(key[0], tuple) else key
-            side = f" ({key[1]}put)" if isinstance(key[0], tuple) else ""
-            where = ("the token embeddings (the input of block 1)" if key == ("h", 0) else
-                     f"the output of block {layer}" if name == "h" else _RECORDED[name].format(layer + 1) + side)
-            raise non_finite_error(model, "first at " + where)
 
 
 def _check_int(name: str, value, low: int, high: int) -> int:
@@ -777,23 +736,6 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
                                    quantity=quantity, foil=foil, readout=readout, edges=edges, maps=maps))
 
 
-def _check_memory(n: int, H: int, S: int, edges: bool) -> None:
-    """Refuse, before any work, a sequence whose recorded patterns and (``edges``) edges, each (n, H, S, S)
-    float64, would exceed :data:`GRAPH_MEMORY_BUDGET`."""
-    one, budget = 8 * n * H * S * S, GRAPH_MEMORY_BUDGET
-    if one * (2 if edges else 1) <= budget:
-        return
-    size = f"{n} blocks x {H} heads x {S}^2 positions in float64"
-    if edges and one <= budget:
-        raise ValueError(f"edges=True needs about {2 * one / 2**30:.1f} GiB for the edges and the recorded patterns "
-                         f"({size}, {one / 2**30:.1f} GiB each), beyond iglens_graph.GRAPH_MEMORY_BUDGET = "
-                         f"{budget / 2**30:.1f} GiB: pass edges=False (heads, neurons and carried maps need the "
-                         "patterns only), a shorter sequence, or raise the budget")
-    raise ValueError(f"the recorded attention patterns alone need about {one / 2**30:.1f} GiB ({size}), beyond "
-                     f"iglens_graph.GRAPH_MEMORY_BUDGET = {budget / 2**30:.1f} GiB: pass a shorter sequence "
-                     "(at most the predicting positions' prefix), or raise the budget")
-
-
 def _check_model_mode(model) -> None:
     if isinstance(model, nn.Module) and model.training:
         raise ValueError("the model is in training mode (dropout would change the pass): call model.eval() first")
@@ -844,7 +786,7 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     targets = input_ids[0, prompt_len:]
     foils = check_foil(foil, targets, readout.vocab_size)
     H, H_kv = head_counts(model)
-    _check_memory(n, H, S, edges)
+    check_memory(n, H, S, edges, GRAPH_MEMORY_BUDGET)
     parts = [_block_parts(block, layer) for layer, block in enumerate(adapter.blocks)]
     store = _record(model, adapter, parts, input_ids)
     at = torch.tensor([prompt_len - 1 + token for token in tokens])  # (T',) predicting positions

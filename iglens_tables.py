@@ -603,19 +603,21 @@ def graph_frame(graphs: Iterable, tokenizer, top_k: int = 20):
         top_k: nodes written per graph, an integer >= 1.
     """
     import pandas as pd
-    from iglens_graph import Graph
+
+    def is_graph(thing) -> bool:  # an iglens_graph.Graph, known by its fields (this module does not import it)
+        return all(hasattr(thing, name) for name in ("carried", "readable", "constants_above", "pruned", "tokens"))
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k must be an integer >= 1 (nodes written per answer token), got {top_k!r}")
     if not callable(getattr(tokenizer, "decode", None)):
         raise ValueError(f"tokenizer must be the model's tokenizer (with .decode, for the tokens' text), "
                          f"got {type(tokenizer).__name__}")
-    graphs = [graphs] if isinstance(graphs, Graph) else graphs
+    graphs = [graphs] if is_graph(graphs) else graphs
     if isinstance(graphs, (str, bytes, dict)) or not hasattr(graphs, "__iter__"):
         raise ValueError(f"graphs must be iglens_graph.Graph objects (one, a list, or attribution_graphs' iterator), "
                          f"got {type(graphs).__name__}")
     frames, ids, texts = [], None, None
     for i, graph in enumerate(graphs):
-        if not isinstance(graph, Graph):
+        if not is_graph(graph):
             raise ValueError(f"graphs[{i}] must be an iglens_graph.Graph (from attribution_graph or "
                              f"attribution_graphs), got {type(graph).__name__}")
         if ids is None or not torch.equal(ids, graph.input_ids):
