@@ -56,6 +56,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 from tqdm.auto import tqdm
 
+from iglens_checks import non_finite_error
 from iglens_core import (as_model, check_foil, check_model, check_quantity, check_sequence, eager_attention,
                          first_output, float64_forward, get_adapter, head_counts, hidden_arg, plain_number,
                          quadrature, sublayer_module, sublayer_norm, sublayer_projection, Readout)
@@ -478,6 +479,9 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
             if keep:
                 copies[layer] = sub
     final = torch.stack([hn, hn_bad]).double()
+    for what, tensors in (("the model's own pass", [h0, h0_bad, hn, hn_bad]), ("the float64 copies' pass", states + mids)):
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            raise non_finite_error(model, f"in {what} (clean or corrupted run)")
     rebuild = max(rebuild, float((states[-1] - final).norm() / final.norm().clamp_min(1e-30)))
     if not rebuild <= REBUILD_TOLERANCE:
         raise ValueError(f"the float64 copies of the blocks do not rebuild the model's states (relative gap {rebuild:.1e}): "

@@ -263,3 +263,11 @@ def test_training_mode_and_parallel_blocks_refused():
     model = tiny_model("neox")
     with pytest.raises(ValueError, match="parallel attention"):
         igcf.counterfactual_graph(model, *_pair(model), 1)
+
+
+def test_non_finite_weights_named():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or inf.*layers\.1\.mlp\.down_proj\.weight"):
+        igcf.counterfactual_graph(model, *_pair(model), 1)
