@@ -171,7 +171,7 @@ def logit_diff(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _plain_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """(B, V) the model's own last-position logits (no hooks), eager attention."""
     with eager_attention(model):
-        return model(input_ids=ids, use_cache=False).logits[:, -1].float()
+        return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
 
 
 def logit_diffs(model, items: Sequence[IOIItem], *, corrupted: bool = False, batch_size: int = 16) -> np.ndarray:
@@ -491,6 +491,7 @@ class _Mixer:
         self.input, self.attn, self.mlp = None, [], []
         self.resid = None  # the running residual stream (weights None)
         self.receivers: dict = {}
+        self.corr_sums: dict = {}  # block -> (B, S, 1, d) the counterfactual heads' sum
 
     def _override(self, key, value: torch.Tensor) -> torch.Tensor:
         if key not in self.overrides:
@@ -498,10 +499,10 @@ class _Mixer:
         rows, new = self.overrides[key]
         return torch.where(rows.view(-1, *([1] * (value.dim() - 1))), new.to(value), value)
 
-    def _attn_sum(self, layer: int, heads: torch.Tensor) -> torch.Tensor:
-        """A block's attention output in the residual from its heads' (..., H, d) outputs (+ bias, norm)."""
+    def _attn_sum(self, layer: int, total: torch.Tensor) -> torch.Tensor:
+        """A block's attention output in the residual from the sum of its heads' outputs (+ bias, norm)."""
         part = self.layers[layer]
-        total = heads.sum(-2) + (part.bo if part.bo is not None else 0)
+        total = total + part.bo.to(total) if part.bo is not None else total
         return part.post_attn(total) if part.post_attn is not None else total
 
     def put_input(self, x: torch.Tensor) -> None:
@@ -514,7 +515,7 @@ class _Mixer:
         heads = self._override(("attn", layer), heads)
         self.attn.append(heads)
         if self.weights is None:
-            self.resid = self.resid + self._attn_sum(layer, heads)
+            self.resid = self.resid + self._attn_sum(layer, heads.sum(-2))
 
     def put_mlp(self, layer: int, out: torch.Tensor) -> None:
         out = self._override(("mlp", layer), out)
@@ -530,19 +531,30 @@ class _Mixer:
             x = self.resid[:, :, None].expand(-1, -1, R, -1)
             x = x.clone() if self.grad else x
         else:
-            w, corr = self.weights[:, cols].to(self.input), self.corrupted
-            x = corr.input[:, :, None] + w[0].view(-1, 1) * (self.input - corr.input)[:, :, None]
+            w, corr, H = self.weights[:, cols].to(self.input), self.corrupted, self.graph.n_heads
+            x = _blend(w[:1], self.input[:, :, None], corr.input[:, :, None])
             for layer, heads in enumerate(self.attn):
-                i = 1 + layer * (self.graph.n_heads + 1)
-                wl = w[i:i + self.graph.n_heads]  # (H, R)
-                mixed = corr.attn[layer][:, :, None] + torch.einsum("bshd,hr->bsrhd", heads - corr.attn[layer], wl)
-                x = x + self._attn_sum(layer, mixed)
-            for layer, out in enumerate(self.mlp):
-                i = 1 + layer * (self.graph.n_heads + 1) + self.graph.n_heads
-                x = x + corr.mlp[layer][:, :, None] + w[i].view(-1, 1) * (out - corr.mlp[layer])[:, :, None]
+                i = 1 + layer * (H + 1)
+                if layer not in self.corr_sums:
+                    self.corr_sums[layer] = corr.attn[layer].sum(2, keepdim=True)  # (B, S, 1, d)
+                x = x + self._attn_sum(layer, _blend(w[i:i + H], heads, corr.attn[layer], self.corr_sums[layer]))
+                if layer < len(self.mlp):  # not yet for the MLP of this block
+                    x = x + _blend(w[i + H:i + H + 1], self.mlp[layer][:, :, None], corr.mlp[layer][:, :, None])
+            x = x.expand(-1, -1, R, -1).clone() if self.grad else x.expand(-1, -1, R, -1)
         if self.grad:
             self.receivers[key] = x
         return x
+
+
+def _blend(w: torch.Tensor, new: torch.Tensor, old: torch.Tensor, old_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum_k (w[k, r] new_k + (1 - w[k, r]) old_k)``: ``w`` (K, R), ``new`` / ``old`` (B, S, K, d) ->
+    (B, S, R, d), or (B, S, 1, d) when every receiver takes all of ``new`` or all of ``old``."""
+    if not w.requires_grad and bool((w == 1).all()):
+        return new.sum(2, keepdim=True)
+    if not w.requires_grad and bool((w == 0).all()):
+        return old_sum if old_sum is not None else old.sum(2, keepdim=True)
+    base = old_sum if old_sum is not None else old.sum(2, keepdim=True)
+    return base + torch.einsum("bskd,kr->bsrd", new - old, w)
 
 
 def _receiver_cols(graph: MIBGraph, layer: int, group: str) -> slice:
