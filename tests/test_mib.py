@@ -176,9 +176,10 @@ def test_areas_trapezoids():
 
 # ---- the edge-patched forward ----
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["qwen2"])
 def test_all_edges_clean_no_edges_counterfactual(arch):
-    model, graph, layers = setup(arch)
+    model = tiny_model(arch, seed=5)  # Qwen2: q, k, v biases
+    graph, layers = mib.MIBGraph.from_model(model), mib.model_layers(model)
     clean, corrupted = pair()
     own_clean, own_corr = capture(model, clean)["logits"], capture(model, corrupted)["logits"]
     acts, _ = mib.record_acts(model, graph, layers, corrupted)
