@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NEIGHBOURS = ["iglens_data", "iglens_tables", "iglens_plot", "iglens_cli", "iglens_baselines", "iglens_causal", "iglens_dpa",
               "iglens_dpa_method", "iglens_stats", "iglens_facts", "iglens_graph", "iglens_view",
-              "iglens_interop", "iglens_counterfactual", "iglens_checks"]
+              "iglens_interop", "iglens_counterfactual", "iglens_checks", "iglens_mib"]
 MODULES = ["iglens_core", "iglens_models", *NEIGHBOURS]
 # who may import whom among the neighbours (the core is open to all); nothing imports the command line
 ALLOWED = {"iglens_cli": {"iglens_data", "iglens_tables", "iglens_plot", "iglens_view"},
