@@ -3,6 +3,7 @@
     iglens "What is the capital of Vietnam?" --html vietnam.html
     iglens --dataset facts.csv --out facts.parquet --resume
     iglens graph "What is the capital of Vietnam?" --word Hanoi --html graph.html --json graph.json
+    iglens graph "What is the capital of France?" --word Paris --corrupted "What is the capital of Japan?" --json cf.json
     python -m iglens_cli --help
 
 Every failure is one line, ``iglens: error: ...``, exit status 2 (1 for an unexpected exception, whose
@@ -25,6 +26,7 @@ from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, encode, token_sp
 from iglens_tables import attribution_from_frame, parts_path
 from iglens_plot import check_html_path, format_table, to_html
 from iglens_view import write_graph
+from iglens_counterfactual import counterfactual_graph
 
 
 def _positive_int(text: str) -> int:
@@ -151,8 +153,18 @@ def _graph_command(argv: Sequence[str]) -> int:
                         help="the page draws links carrying at least this share of |Δp| (and all into the logit)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=32, help="length limit of greedy answers")
+    parser.add_argument("--corrupted", default=None, metavar="TEXT",
+                        help="the counterfactual graph instead: split f(prompt) - f(TEXT), TEXT a prompt of the same "
+                             "token length (e.g. another subject), read with the prompt's answer (writes --json only)")
+    parser.add_argument("--foil", default=None, metavar="WORD",
+                        help="with --corrupted: read f(answer) - f(foil), the foil's first token")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
+    if args.corrupted is not None and args.html is not None:
+        parser.error("--corrupted writes the counterfactual graph as --json OUT.json; the page (--html) draws the "
+                     "zero-baseline graph only: drop --html or --corrupted")
+    if args.foil is not None and args.corrupted is None:
+        parser.error("--foil applies to the counterfactual graph: give --corrupted TEXT too")
     if args.html is None and args.json is None:
         parser.error("give --html OUT.html, --json OUT.json or both (where the graph is written)")
     torch.set_grad_enabled(False)
@@ -188,6 +200,8 @@ def _main_graph(args) -> int:
         raise ValueError(f"--tokens must be answer token indices in 0..{len(answer) - 1} (the answer "
                          f"{tokenizer.decode(answer)!r} has {len(answer)} tokens), got {chosen}")
     tokens = [tokenizer.decode([i]) for i in input_ids[0].tolist()]
+    if args.corrupted is not None:
+        return _contrast(args, model, tokenizer, input_ids, prompt_len, chosen[0], tokens)
     views = write_graph(model, input_ids, prompt_len, tokens, answer_tokens=chosen, html_path=args.html,
                             json_path=args.json, fraction=args.fraction, min_share=args.min_share,
                             min_link=args.min_link, estimator=args.estimator, steps=args.steps,
@@ -203,6 +217,43 @@ def _main_graph(args) -> int:
         print(f"interactive graph: {args.html}")
     if args.json is not None:
         print(f"circuit-tracer graph: {args.json if len(views) == 1 else ', '.join(f'{Path(args.json).stem}-{k}.json' for k in chosen)}")
+    return 0
+
+
+def _contrast(args, model, tokenizer, input_ids, prompt_len: int, token: int, tokens: list) -> int:
+    """``iglens graph PROMPT --corrupted TEXT``: the counterfactual graph of one answer token, as JSON."""
+    import json
+    answer = tokenizer.decode(input_ids[0, prompt_len:])
+    corrupted_ids, corrupted_len = encode(tokenizer, args.corrupted, answer, chat=not args.no_chat)
+    t = prompt_len - 1 + token  # the predicting position
+    if corrupted_len != prompt_len or corrupted_ids.shape != input_ids.shape:
+        raise ValueError(f"--corrupted must tokenize to the prompt's length ({prompt_len} prompt tokens) so that every "
+                         f"position aligns; {args.corrupted!r} gives {corrupted_len}: pick a subject of the same token length")
+    foil = None
+    if args.foil is not None:
+        ids = tokenizer(args.foil if args.foil.startswith(" ") or args.no_chat else args.foil, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"--foil {args.foil!r} tokenizes to no tokens")
+        foil = ids[0]
+    graph = counterfactual_graph(model, input_ids[:, :t + 1], corrupted_ids[:, :t + 1], int(input_ids[0, t + 1]),
+                                 quantity=args.quantity, foil=foil, steps=args.steps)
+    shares = graph.carried / graph.delta  # (n+1, S) share of delta
+    heads = graph.heads.sum(-1)  # (n, H)
+    top = [(int(i) // heads.shape[1] + 1, int(i) % heads.shape[1], float(heads.flatten()[i]))
+           for i in heads.flatten().abs().argsort(descending=True)[:10]]
+    out = dict(model=args.model, prompt=args.prompt, corrupted=args.corrupted, answer_token=tokens[t + 1],
+               position=t, quantity=args.quantity, foil=args.foil, f_clean=graph.f_clean, f_corrupted=graph.f_corrupted,
+               delta=graph.delta, gap=graph.gap, tokens=tokens[:t + 1], first_difference=graph.first,
+               carried=graph.carried.tolist(), heads=graph.heads.tolist(),
+               top_heads=[dict(block=b, head=h, share=v) for b, h, v in top])
+    Path(args.json).write_text(json.dumps(out))
+    peak = shares[:-1, :t].abs().max(0).values  # each earlier position's largest share at any node
+    where = int(peak.argmax())
+    print(f"model: {args.model}   answer token {tokens[t + 1]!r} at position {t}: f(clean) {graph.f_clean:.4f}, "
+          f"f(corrupted) {graph.f_corrupted:.4f}, delta {graph.delta:+.4f}; every node adds up to it within "
+          f"{abs(graph.gap):.1e}")
+    print(f"the earlier position carrying the most: {where} {tokens[where]!r} ({float(peak[where]):.0%} of delta at its peak)")
+    print(f"counterfactual graph: {args.json}")
     return 0
 
 

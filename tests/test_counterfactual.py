@@ -271,3 +271,33 @@ def test_non_finite_weights_named():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"NaN or inf.*layers\.1\.mlp\.down_proj\.weight"):
         igcf.counterfactual_graph(model, *_pair(model), 1)
+
+
+def test_cli_corrupted(tmp_path, monkeypatch, capsys):
+    """``iglens graph PROMPT --corrupted TEXT --json``: the file holds the counterfactual graph of the first answer
+    token, equal to counterfactual_graph's; a corrupted prompt of another length is one line of error."""
+    import json
+    import iglens_cli as igcli
+    model = tiny_model("llama", seed=5)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=gen)
+    bad = ids.clone()
+    bad[0, 1] = (ids[0, 1] + 3) % model.config.vocab_size
+    short = ids[:, 1:]
+    monkeypatch.setattr(igcli, "encode", lambda tokenizer, prompt, answer=None, **kw: {
+        "a prompt": (ids, 4), "other": (bad, 4), "short": (short, 3)}[prompt])
+
+    class Decode:
+        def decode(self, ids):
+            return str(list(ids))
+    monkeypatch.setattr(igcli, "load_model", lambda name: (model, Decode()))
+    out = tmp_path / "cf.json"
+    assert igcli.main(["graph", "a prompt", "--corrupted", "other", "--json", str(out), "--quantity", "logprob"]) == 0
+    data = json.loads(out.read_text())
+    want = igcf.counterfactual_graph(model, ids[:, :4], bad[:, :4], int(ids[0, 4]), quantity="logprob")
+    torch.testing.assert_close(torch.tensor(data["carried"], dtype=torch.float64), want.carried, rtol=0, atol=1e-12)
+    assert data["delta"] == pytest.approx(want.delta, abs=1e-12) and "adds up to it" in capsys.readouterr().out
+    assert igcli.main(["graph", "a prompt", "--corrupted", "short", "--json", str(out)]) == 2
+    assert "--corrupted must tokenize to the prompt's length" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        igcli.main(["graph", "a prompt", "--corrupted", "other", "--html", str(tmp_path / "a.html")])
