@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from iglens_models import CACHE_DIR, PACKAGED_MODELS, ROOT, convert_gguf, quiet_transformers  # noqa: F401 (re-exported)
+from iglens_models import (CACHE_DIR, PACKAGED_MODELS, ROOT, convert_gguf, packaged_model_dir,  # noqa: F401 (re-exported)
+                           quiet_transformers)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of logits one readout chunk may hold
@@ -68,12 +69,7 @@ def resolve_model_path(name: str) -> str:
         raise ValueError(f"model name must be a packaged name {sorted(PACKAGED_MODELS)}, a local "
                          f"directory or a Hugging Face id, got {name!r}")
     if name in PACKAGED_MODELS:
-        cached = CACHE_DIR / name
-        if not (cached / "config.json").exists():
-            print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...", file=sys.stderr)
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(PACKAGED_MODELS[name](), cached)
-        return str(cached)
+        return str(packaged_model_dir(name))
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
     from huggingface_hub import try_to_load_from_cache
