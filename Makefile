@@ -1,6 +1,7 @@
 # IG-Lens. Two commands do everything on a fresh machine:
 #   make reproduce   set up, execute every numbered notebook, regenerate figures/
-#   make test        set up, run the unit tests and nbval over the notebooks (at 2 threads and at 1)
+#   make test        set up, run the unit tests (twice: 2 threads, then MKL_CBWR=COMPATIBLE) and nbval over
+#                    the notebooks (at 2 threads, and at 1 under MKL_CBWR=COMPATIBLE)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -68,21 +69,33 @@ refresh-notebooks: reproduce
 
 test: unit nbval
 
+# twice, on two float paths: first on the CPU's own MKL kernels at OMP_NUM_THREADS (2), then under
+# MKL's vendor-neutral kernels (MKL_CBWR=COMPATIBLE) at 2 threads, so that a test that holds on one
+# vendor's kernels only (AVX2 vs AVX-512, Intel vs AMD) is red here before it is red elsewhere.
+# Float32 comparisons between two computation orders use tests/conftest.py's order_tolerance.
+# The second pass skips the files that compute no float32 numbers (layout, file formats, the
+# browser, the cache lock), and runs two workers at 1 thread each where UNIT_WORKERS says so.
+UNIT_SECOND_SKIP = --ignore=tests/test_layout.py --ignore=tests/test_view_browser.py \
+                   --ignore=tests/test_models_cache.py --ignore=tests/test_input_files.py
 unit: model
 	TQDM_DISABLE=1 $(PY) -m pytest tests -q
+	@echo "unit tests again under MKL_CBWR=COMPATIBLE at 2 threads (another float path)"
+	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=2 TQDM_DISABLE=1 $(PY) -m pytest tests -q $(UNIT_SECOND_SKIP)
 
-# twice: at 2 threads and at 1 (another reduction order, so another float path); the checked
-# cells must print the same text on both, as they must on another CPU or a GPU. Each pass runs
-# cores / threads notebooks at a time (pytest-xdist; --dist loadscope keeps a notebook's cells in
-# one kernel, in order)
+# twice: at 2 threads on the CPU's own MKL kernels, and at 1 thread under MKL's vendor-neutral
+# kernels (MKL_CBWR=COMPATIBLE): another reduction order and other kernels, so another float path;
+# the checked cells must print the same text on both, as they must on another CPU or a GPU. Each
+# pass runs cores / threads notebooks at a time (pytest-xdist; --dist loadscope keeps a notebook's
+# cells in one kernel, in order)
 NBVAL_THREADS ?= 2 1
 NPROC ?= $(shell nproc 2>/dev/null || echo 2)
 nbval: model
 	@test -n "$(NOTEBOOKS)" || { echo "no numbered notebooks to check"; exit 0; }; \
 	for threads in $(NBVAL_THREADS); do \
 	  workers=$$(( $(NPROC) / threads )); [ $$workers -ge 1 ] || workers=1; \
-	  echo "nbval at OMP_NUM_THREADS=$$threads, $$workers notebooks at a time"; \
-	  OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 $(PY) -m pytest -q -n $$workers --dist loadscope \
+	  if [ $$threads = 1 ]; then cbwr=COMPATIBLE; else cbwr=$${MKL_CBWR:-AUTO}; fi; \
+	  echo "nbval at OMP_NUM_THREADS=$$threads, MKL_CBWR=$$cbwr, $$workers notebooks at a time"; \
+	  MKL_CBWR=$$cbwr OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 $(PY) -m pytest -q -n $$workers --dist loadscope \
 	    --nbval-lax --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS) || exit 1; \
 	done
 

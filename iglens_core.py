@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from iglens_models import (CACHE_DIR, PACKAGED_MODELS, ROOT, check_local_model, convert_gguf,  # noqa: F401
-                           looks_like_path, quiet_transformers)  # (re-exported)
+                           looks_like_path, packaged_model_dir, quiet_transformers)  # (re-exported)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MEMORY_BUDGET = 2 * 2**30  # bytes of logits one readout chunk may hold
@@ -71,12 +71,7 @@ def resolve_model_path(name: str) -> str:
         raise ValueError(f"model name must be a packaged name {sorted(PACKAGED_MODELS)}, a local "
                          f"directory or a Hugging Face id, got {name!r}")
     if name in PACKAGED_MODELS:
-        cached = CACHE_DIR / name
-        if not (cached / "config.json").exists():
-            print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...", file=sys.stderr)
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(PACKAGED_MODELS[name](), cached)
-        return str(cached)
+        return str(packaged_model_dir(name))
     if looks_like_path(name):
         return str(check_local_model(name))
     from huggingface_hub import try_to_load_from_cache

