@@ -156,6 +156,7 @@ class _HandBlock:
         return torch.softmax(logits, -1)[..., target]
 
 
+@torch.enable_grad()  # other tests (the command line) turn autograd off for the process
 def test_one_block_against_a_hand_derivation():
     """A one-block Llama (GQA, random norm weights), float64: the carried maps, heads, neurons and edge parts
     against the same integrals taken from a hand-written forward with autograd (full Jacobians) and forward-mode
