@@ -11,19 +11,20 @@ import iglens_data as igd
 from conftest import tiny_model
 from test_dataset import VOCAB, tokenizer  # noqa: F401 (fixture: the packaged tokenizer)
 
+# three prompts of one length (37 tokens with the chat template: one batch) and two others
 QUESTIONS = ["What is the capital of France?", "What is the capital of Egypt?", "Who wrote Hamlet?",
-             "What is the chemical symbol of gold?", "Who invented the telephone?",
-             "What is the largest planet?", "What language is spoken in Brazil?"]
+             "Who invented the telephone?", "What language is spoken in Brazil?"]
 
 
 def _prompts(tokenizer, questions):
     return [ids[0, :n].tolist() for ids, n in (igd.encode(tokenizer, q, "x") for q in questions)]
 
 
-def _check_batch_free(model, tokenizer, prompts, max_new_tokens):
+def _check_batch_free(model, tokenizer, prompts, max_new_tokens, single=True):
     """The answers of batch_size=1 (each prompt alone) again with other batch sizes and shuffled."""
     alone = igd.greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=1)
-    assert alone[0] == igd.greedy_answer(model, tokenizer, prompts[0], max_new_tokens)
+    if single:
+        assert alone[0] == igd.greedy_answer(model, tokenizer, prompts[0], max_new_tokens)
     assert igd.greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=16) == alone
     order = list(range(len(prompts)))
     random.Random(0).shuffle(order)
@@ -45,8 +46,8 @@ def test_greedy_answers_tiny_model(tokenizer):
 def test_greedy_answers_packaged_model(packaged):
     model, tokenizer = packaged
     prompts = _prompts(tokenizer, QUESTIONS)
-    assert len({len(p) for p in prompts}) < len(prompts)  # some batches hold several prompts
-    alone = _check_batch_free(model, tokenizer, prompts, 6)
+    assert sorted(len(p) for p in prompts).count(37) == 3
+    alone = _check_batch_free(model, tokenizer, prompts, 7, single=False)  # 7 tokens reach "Paris"
     assert "Paris" in tokenizer.decode(alone[0])
 
 
