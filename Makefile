@@ -69,16 +69,17 @@ refresh-notebooks: reproduce
 
 test: unit nbval
 
-# twice, on two float paths: first on the CPU's own MKL kernels at OMP_NUM_THREADS (2), then under
-# MKL's vendor-neutral kernels (MKL_CBWR=COMPATIBLE) at 2 threads, so that a test that holds on one
+# twice, on two float paths: first on the CPU's own MKL kernels at 1 thread, one pytest-xdist worker per
+# core (the whole run stays near 20 minutes on 2 cores), then under MKL's vendor-neutral kernels
+# (MKL_CBWR=COMPATIBLE) at 2 threads, so that a test that holds on one
 # vendor's kernels only (AVX2 vs AVX-512, Intel vs AMD) is red here before it is red elsewhere.
 # Float32 comparisons between two computation orders use tests/conftest.py's order_tolerance.
 # The second pass skips the files that compute no float32 numbers (layout, file formats, the
-# browser, the cache lock), and runs two workers at 1 thread each where UNIT_WORKERS says so.
+# browser, the cache lock).
 UNIT_SECOND_SKIP = --ignore=tests/test_layout.py --ignore=tests/test_view_browser.py \
                    --ignore=tests/test_models_cache.py --ignore=tests/test_input_files.py
 unit: model
-	TQDM_DISABLE=1 $(PY) -m pytest tests -q
+	OMP_NUM_THREADS=1 TQDM_DISABLE=1 $(PY) -m pytest tests -q -n $(NPROC) -p no:cacheprovider
 	@echo "unit tests again under MKL_CBWR=COMPATIBLE at 2 threads (another float path)"
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=2 TQDM_DISABLE=1 $(PY) -m pytest tests -q $(UNIT_SECOND_SKIP)
 
