@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from iglens_core import (Adapter, Readout, Trace, check_same_model, check_sequence, eager_attention, first_output, get_adapter,
+from iglens_core import (Adapter, Readout, Trace, check_foil, check_quantity, check_same_model, check_sequence, eager_attention, first_output, get_adapter,
                          hidden_arg, plain_number, precision, replace_first, sublayer_module)
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 from iglens_baselines import component_layout
@@ -653,7 +653,8 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
                        layers=layers)
 
 
-def atp_states(model, clean_ids, corrupted_ids, target: int, *, min_gap: float = MIN_GAP) -> torch.Tensor:
+def atp_states(model, clean_ids, corrupted_ids, target: int, *, quantity: str = "prob", foil=None,
+               min_gap: float = MIN_GAP) -> torch.Tensor:
     """Attribution patching per residual state: the first-order estimate of :func:`causal_trace`'s grid.
 
     ``r_AtP(s, L) = <dp/dh_L(s) at the corrupted run, h_L(s)_clean - h_L(s)_corrupted> / (p_clean - p')``:
@@ -662,7 +663,11 @@ def atp_states(model, clean_ids, corrupted_ids, target: int, *, min_gap: float =
 
     Args:
         clean_ids, corrupted_ids: (1, S) or (S,) token ids of the same length (a subject swap).
-        target: the clean answer's token id; min_gap: as :func:`causal_trace`.
+        target: the clean answer's token id; min_gap: as :func:`causal_trace`, in the readout's units.
+        quantity, foil: the readout f, as :class:`iglens_core.Readout` (``"prob"``: p(y), or p(y) - p(foil);
+            ``"logprob"``: log p(y), or the logit difference z_y - z_foil); the map is then
+            ``<df/dh_L(s), clean - corrupted> / (f(clean) - f(corrupted))``, the same readout as the
+            counterfactual graph it is compared with.
 
     Returns:
         (S, n+1) float64, the layout of :attr:`CausalTrace.restoration`.
@@ -675,6 +680,9 @@ def atp_states(model, clean_ids, corrupted_ids, target: int, *, min_gap: float =
     target = plain_number(target)
     if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or not 0 <= target < readout.vocab_size:
         raise ValueError(f"target must be a token id in 0..{readout.vocab_size - 1}, got {target!r}")
+    check_quantity(quantity)
+    foil = check_foil(foil, torch.tensor([target]), readout.vocab_size)
+    foil = None if foil is None else int(foil[0])
     device = next(model.parameters()).device
     with torch.no_grad():
         calls, clean_hidden, _ = _recorded_run(model, adapter, clean.to(device))
@@ -686,15 +694,23 @@ def atp_states(model, clean_ids, corrupted_ids, target: int, *, min_gap: float =
             states.append(state if state.requires_grad else state.requires_grad_(True))
         for state in states:
             state.retain_grad()
-        p_corrupted = torch.softmax(readout.logits(states[-1][:, -1]).double(), -1)[0, target]  # Readout's call is no-grad
-        p_corrupted.backward()
-    p_clean = float(readout(clean_hidden[-1, :, -1], torch.tensor(target)))
-    gap = p_clean - float(p_corrupted.detach())
+        f_corrupted = _readout_value(readout.logits(states[-1][:, -1]).double()[0], target, foil, quantity)
+        f_corrupted.backward()  # Readout's own call is no-grad
+    f_clean = float(readout(clean_hidden[-1, :, -1], torch.tensor(target), foil, quantity=quantity))
+    gap = f_clean - float(f_corrupted.detach())
     if abs(gap) < min_gap:
-        raise ValueError(f"the corruption moves the target's probability by {gap:+.2e}, less than min_gap={min_gap}")
+        raise ValueError(f"the corruption moves the readout ({quantity}) by {gap:+.2e}, less than min_gap={min_gap}")
     grads = torch.stack([state.grad[0] for state in states])  # (n+1, S, d)
     change = (clean_hidden - hidden)[:, 0]  # (n+1, S, d)
     return (grads.double() * change.double()).sum(-1).T / gap
+
+
+def _readout_value(logits: torch.Tensor, target: int, foil: Optional[int], quantity: str) -> torch.Tensor:
+    """f of (V,) logits, differentiable: p(y) [- p(foil)] or log p(y) [z_y - z_foil]."""
+    if quantity == "logprob":
+        return logits.log_softmax(-1)[target] if foil is None else logits[target] - logits[foil]
+    probs = logits.softmax(-1)
+    return probs[target] if foil is None else probs[target] - probs[foil]
 
 
 # -- swapping attention patterns between two runs: does the corruption act through where heads look, or

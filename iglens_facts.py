@@ -4,7 +4,9 @@ Imports :mod:`iglens_core` and :mod:`iglens_data` (prompt tokens) and holds:
 
 1. fact tables (``load_facts``: relation, subject, prompt, object; ``data/facts.csv``), the answer's
    object tokens and seeded per-relation draws (notebooks 04-10)
-2. subject swaps and corrupted prompts of the same length (``corrupt_subject``, notebooks 05, 09)
+2. subject swaps and corrupted prompts of the same length (``corrupt_subject``, notebooks 05, 09), the
+   answered facts and their clean and corrupted runs as the trace reads them (``answered_facts``,
+   ``trace_setup``, notebooks 09, 13)
 3. token spans of a word in a tokenised prompt (``word_spans``, notebooks 08, 09)
 4. tiny randomly initialised models built from configs, with randomised norm weights
    (``tiny_model``, notebook 01 and the tests)
@@ -195,3 +197,52 @@ def word_spans(tokenizer, ids: Sequence[int], word: str) -> list[tuple[int, int]
         spans.append((start + found[0], start + found[1]))
         start += found[1]
     return spans
+
+
+def answered_facts(model, tokenizer, facts, *, chat: bool = True, max_new_tokens: int = 12,
+                   batch_size: int = 16) -> list:
+    """The facts the model answers with their object, for tracing (notebooks 09 and 13).
+
+    Each prompt (chat template as :func:`iglens_data.encode` when ``chat``) is answered greedily
+    (:func:`iglens_data.greedy_answers`, batch-free: the same answer alone or in any batch); a fact is
+    kept when its answer contains the object's tokens.
+
+    Returns:
+        ``[(row, ids (1, P + A) long, P, (start, stop))]``: the ``facts.itertuples()`` row, the prompt's
+        and answer's token ids, the prompt's length P and the object's token span in the answer.
+    """
+    from iglens_data import encode, greedy_answers, token_span
+    prompts = [encode(tokenizer, p, "x", chat=chat) for p in facts.prompt]   # the placeholder answer is dropped
+    prompts = [ids[0, :length].tolist() for ids, length in prompts]
+    answers = greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    spans = [token_span(tokenizer, a, obj) if a else None for a, obj in zip(answers, facts.object)]
+    return [(item, torch.tensor([p + a]), len(p), span) for item, p, a, span
+            in zip(facts.itertuples(), prompts, answers, spans) if span is not None]
+
+
+def trace_setup(tokenizer, item, pool, ids: torch.Tensor, prompt_len: int, span, *, chat: bool = True,
+                rng: np.random.Generator):
+    """One answered fact's clean and corrupted runs, as notebook 09 traces them (and 13 reads them).
+
+    The focus token is the object's first token, predicted at ``focus - 1``; the corruption swaps the
+    subject (:func:`corrupt_subject`, one draw from ``rng`` orders the candidates) in the prompt and
+    in the answer up to the focus token.
+
+    Returns:
+        a dict ``clean`` (1, focus) and ``corrupted`` (1, focus) ids, ``target`` (the focus token's id),
+        ``focus``, ``subject`` (the last subject token's position, of its last mention before the
+        predicting position), ``positions`` (every subject token's position before it) and
+        ``subject_spans``; or the reason it cannot be traced, ``"no same-length subject"`` or
+        ``"subject not found"``.
+    """
+    focus = prompt_len + span[0]
+    clean, target = ids[:, :focus], int(ids[0, focus])
+    corrupted, _, aligned = corrupt_subject(tokenizer, item, pool, length=focus, chat=chat, seed=int(rng.integers(1 << 31)),
+                                            answer_prefix=tokenizer.decode(ids[0, prompt_len:focus]))
+    spans = [[int(a), int(b)] for a, b in word_spans(tokenizer, clean[0], item.subject)]
+    if corrupted is None or not aligned:
+        return "no same-length subject"
+    if not spans or spans[-1][1] - 1 >= focus - 1:
+        return "subject not found"
+    return dict(clean=clean, corrupted=corrupted, target=target, focus=focus, subject=spans[-1][1] - 1,
+                positions=[s for a, b in spans for s in range(a, b) if s < focus - 1], subject_spans=spans)

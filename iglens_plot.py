@@ -738,3 +738,31 @@ def plot_graph(nodes, links, tokens: Sequence[str], n_layers: int, *, title: str
               title_fontsize=8)
     ax.set_title(title, fontsize=11)
     return fig
+
+
+def plot_paired_scores(per_item, *, metric: str, method: str, against: str, panel: str, title: str,
+                       label: str = ""):
+    """One point per item: ``against``'s score (x) and ``method``'s (y) on ``metric``, one panel per value of
+    the ``panel`` column (e.g. the readout), the diagonal drawn: above it ``method`` agrees better.
+
+    Args:
+        per_item: a frame with columns ``id``, ``method``, ``panel`` and ``metric``, one row per
+            (item, method, panel value).
+    """
+    import matplotlib.pyplot as plt
+    panels = list(dict.fromkeys(per_item[panel]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 0.6, 3.9), sharex=True, sharey=True,
+                             constrained_layout=True, squeeze=False)
+    values = per_item[metric].to_numpy(dtype=float)
+    low, high = np.nanmin(values, initial=0.0), np.nanmax(values, initial=1.0)
+    for ax, name in zip(axes[0], panels):
+        wide = per_item[per_item[panel] == name].pivot_table(index="id", columns="method", values=metric)
+        x, y = wide[against].to_numpy(), wide[method].to_numpy()
+        above = int(np.sum(y > x))
+        ax.plot([low, high], [low, high], color="grey", lw=1, ls=":")
+        ax.scatter(x, y, s=14, alpha=0.7, color="C3")
+        ax.set_title(f"{name}: above the diagonal {above} of {len(x)}", fontsize=10)
+        ax.set_xlabel(f"{against}")
+    axes[0, 0].set_ylabel(f"{method}" + (f"\n{label}" if label else ""))
+    fig.suptitle(title)
+    return fig

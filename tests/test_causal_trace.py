@@ -228,10 +228,18 @@ def test_bad_input():
             igc.causal_trace(model, clean, **kwargs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
-def test_atp_states_is_the_derivative_of_a_spliced_rerun(arch):
-    """atp_states(s, L) * gap = d/de p(corrupted run with h_L(s) <- h' + e (h - h')) at e = 0, by
-    central differences through the model's own forward with hooks (float64)."""
+def _readout(probs, target, foil, quantity):
+    """f of (V,) probabilities: p(y) [- p(foil)], log p(y) [- log p(foil) = z_y - z_foil]."""
+    values = probs.log() if quantity == "logprob" else probs
+    return float(values[target] - (values[foil] if foil is not None else 0.0))
+
+
+@pytest.mark.parametrize("arch,quantity,with_foil", [("llama", "prob", False), ("gemma3", "prob", False), ("gpt2", "prob", False),
+                                                      ("llama", "logprob", False), ("gpt2", "logprob", True),
+                                                      ("gemma3", "prob", True)])
+def test_atp_states_is_the_derivative_of_a_spliced_rerun(arch, quantity, with_foil):
+    """atp_states(s, L) * gap = d/de f(corrupted run with h_L(s) <- h' + e (h - h')) at e = 0, by
+    central differences through the model's own forward with hooks (float64), for every readout f."""
     model = tiny_model(arch, seed=11, dtype=torch.float64)
     n = len(_blocks(model))
     gen = torch.Generator().manual_seed(5)
@@ -239,10 +247,11 @@ def test_atp_states_is_the_derivative_of_a_spliced_rerun(arch):
     corrupted = clean.clone()
     corrupted[0, SUBJECT] = torch.randint(0, 97, (SUBJECT.stop - SUBJECT.start,), generator=gen)
     target = int(_run(model, clean)[0].argmax())
-    grid = igc.atp_states(model, clean, corrupted, target, min_gap=0.0)
+    foil = int(_run(model, corrupted)[0].index_fill(0, torch.tensor([target]), -1.0).argmax()) if with_foil else None  # any other token
+    grid = igc.atp_states(model, clean, corrupted, target, quantity=quantity, foil=foil, min_gap=0.0)
     assert grid.shape == (LENGTH, n + 1)
     clean_values, corrupted_values = _record(model, clean, "hidden", 1, n), _record(model, corrupted, "hidden", 1, n)
-    gap = float(_run(model, clean)[0, target] - _run(model, corrupted)[0, target])
+    gap = _readout(_run(model, clean)[0], target, foil, quantity) - _readout(_run(model, corrupted)[0], target, foil, quantity)
     rng = np.random.default_rng(0)
     cells = [(s, L) for s in range(LENGTH) for L in range(n + 1)]
     for s, L in [cells[i] for i in rng.choice(len(cells), size=12, replace=False)] + [(SUBJECT.stop - 1, 1)]:
@@ -256,8 +265,9 @@ def test_atp_states_is_the_derivative_of_a_spliced_rerun(arch):
                 return hidden
             if is_pre:
                 hook = (lambda m, a, k: ((put(a[0]),) + a[1:], k) if a else (a, {**k, "hidden_states": put(k["hidden_states"])}))
-                return float(_run(model, corrupted, pre_hooks=[(module, hook)])[0, target])
-            return float(_run(model, corrupted, hooks=[(module, lambda m, a, o: _with_first(o, put(_first(o))))])[0, target])
+                return _readout(_run(model, corrupted, pre_hooks=[(module, hook)])[0], target, foil, quantity)
+            return _readout(_run(model, corrupted, hooks=[(module, lambda m, a, o: _with_first(o, put(_first(o))))])[0],
+                            target, foil, quantity)
 
         eps = 1e-4
         derivative = (probe(eps) - probe(-eps)) / (2 * eps)
@@ -273,3 +283,7 @@ def test_atp_states_bad_input():
         igc.atp_states(model, clean, clean, 97)
     with pytest.raises(ValueError, match="min_gap"):
         igc.atp_states(model, clean, clean, 3)
+    with pytest.raises(ValueError, match="quantity"):
+        igc.atp_states(model, clean, clean, 3, quantity="logit")
+    with pytest.raises(ValueError, match="foil"):
+        igc.atp_states(model, clean, clean, 3, foil=3)
