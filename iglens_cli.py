@@ -2,6 +2,7 @@
 
     iglens "What is the capital of Vietnam?" --html vietnam.html
     iglens --dataset facts.csv --out facts.parquet --resume
+    iglens --dataset pairs.csv --out cf.parquet --resolution graph --corrupted-column corrupted
     iglens graph "What is the capital of Vietnam?" --word Hanoi --html graph.html --json graph.json
     iglens graph "What is the capital of France?" --word Paris --corrupted "What is the capital of Japan?" --json cf.json
     python -m iglens_cli --help
@@ -25,7 +26,7 @@ from iglens_core import (BASELINES, DEFAULT_MODEL, ESTIMATORS, QUANTITIES, colle
 from iglens_data import DATASET_RESOLUTIONS, attribute_dataset, encode, token_span
 from iglens_tables import attribution_from_frame, parts_path
 from iglens_plot import check_html_path, format_table, to_html
-from iglens_view import write_graph
+from iglens_view import to_contrast_html, write_graph
 from iglens_counterfactual import counterfactual_graph
 
 
@@ -88,6 +89,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--foil-column", default=None,
                         help="with --dataset: a column of one-token foils (e.g. ' Lyon'; empty: none); "
                              "an item with one splits f(answer) - f(foil) (default: 'foil' if present)")
+    parser.add_argument("--corrupted-column", default=None, metavar="COL",
+                        help="with --dataset and --resolution graph: a column of corrupted prompts of the same "
+                             "token length (e.g. another subject); each answer token gets the counterfactual "
+                             "graph of f(prompt) - f(corrupted) instead, read with the row's answer")
     parser.add_argument("--out", default=None, metavar="OUT.parquet",
                         help="with --dataset (required there): the results file; the errors go to "
                              "OUT.errors.parquet and the shards to OUT.parquet.parts/")
@@ -118,6 +123,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--dataset needs --out OUT.parquet (where the results are written)")
     if args.top_k is not None and args.resolution is None:
         parser.error(f"--top-k needs --resolution {'|'.join(DATASET_RESOLUTIONS)} (the parts it counts)")
+    if args.corrupted_column is not None and (args.dataset is None or args.resolution != "graph"):
+        parser.error("--corrupted-column needs --dataset FILE and --resolution graph (it gives each answer token "
+                     f"the counterfactual graph), got {'no --dataset' if args.dataset is None else f'--resolution {args.resolution}'}")
     if args.prompt is not None and args.resolution is not None and (args.resolution != "source" or not args.html):
         parser.error("with a prompt, --resolution takes only source, with --html (the source-token panel); "
                      "head and neuron tables: --dataset")
@@ -155,14 +163,12 @@ def _graph_command(argv: Sequence[str]) -> int:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=32, help="length limit of greedy answers")
     parser.add_argument("--corrupted", default=None, metavar="TEXT",
                         help="the counterfactual graph instead: split f(prompt) - f(TEXT), TEXT a prompt of the same "
-                             "token length (e.g. another subject), read with the prompt's answer (writes --json only)")
+                             "token length (e.g. another subject), read with the prompt's answer; --html draws its "
+                             "carried map (node x position) and heads, --json writes its numbers")
     parser.add_argument("--foil", default=None, metavar="WORD",
                         help="with --corrupted: read f(answer) - f(foil), the foil's first token")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
-    if args.corrupted is not None and args.html is not None:
-        parser.error("--corrupted writes the counterfactual graph as --json OUT.json; the page (--html) draws the "
-                     "zero-baseline graph only: drop --html or --corrupted")
     if args.foil is not None and args.corrupted is None:
         parser.error("--foil applies to the counterfactual graph: give --corrupted TEXT too")
     if args.html is None and args.json is None:
@@ -221,7 +227,7 @@ def _main_graph(args) -> int:
 
 
 def _contrast(args, model, tokenizer, input_ids, prompt_len: int, token: int, tokens: list) -> int:
-    """``iglens graph PROMPT --corrupted TEXT``: the counterfactual graph of one answer token, as JSON."""
+    """``iglens graph PROMPT --corrupted TEXT``: the counterfactual graph of one answer token, as JSON and/or a page."""
     import json
     answer = tokenizer.decode(input_ids[0, prompt_len:])
     corrupted_ids, corrupted_len = encode(tokenizer, args.corrupted, answer, chat=not args.no_chat)
@@ -246,14 +252,18 @@ def _contrast(args, model, tokenizer, input_ids, prompt_len: int, token: int, to
                delta=graph.delta, gap=graph.gap, tokens=tokens[:t + 1], first_difference=graph.first,
                carried=graph.carried.tolist(), heads=graph.heads.tolist(),
                top_heads=[dict(block=b, head=h, share=v) for b, h, v in top])
-    Path(args.json).write_text(json.dumps(out))
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(out))
+    if args.html is not None:
+        to_contrast_html(graph, tokens, args.html, corrupted_tokens=[tokenizer.decode([i]) for i in corrupted_ids[0].tolist()],
+                         title=f"{args.model}: {args.prompt!r} against {args.corrupted!r} -> {tokens[t + 1]!r}")
     peak = shares[:-1, :t].abs().max(0).values  # each earlier position's largest share at any node
     where = int(peak.argmax())
     print(f"model: {args.model}   answer token {tokens[t + 1]!r} at position {t}: f(clean) {graph.f_clean:.4f}, "
           f"f(corrupted) {graph.f_corrupted:.4f}, delta {graph.delta:+.4f}; every node adds up to it within "
           f"{abs(graph.gap):.1e}")
     print(f"the earlier position carrying the most: {where} {tokens[where]!r} ({float(peak[where]):.0%} of delta at its peak)")
-    print(f"counterfactual graph: {args.json}")
+    print(f"counterfactual graph: {', '.join(p for p in (args.json, args.html) if p is not None)}")
     return 0
 
 
@@ -336,7 +346,7 @@ def _main_dataset(args) -> int:
         max_new_tokens=args.max_new_tokens, prompt_column=args.prompt_column,
         answer_column=args.answer_column, id_column=args.id_column, quantity=args.quantity,
         foil_column=args.foil_column, resolution=args.resolution,
-        top_k=args.top_k if args.top_k is not None else 20)
+        top_k=args.top_k if args.top_k is not None else 20, corrupted_column=args.corrupted_column)
     results, errors = tables[:2]
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -349,6 +359,7 @@ def _main_dataset(args) -> int:
               f"{stats['seconds']:.1f} s)" + (f"; results in {args.out}" if args.out else ""))
         if args.resolution is not None:
             what = "carried map, rest" if args.resolution == "graph" else "sums, rest"
+            what += ", counterfactual graphs" if args.corrupted_column else ""
             print(f"{len(tables[2])} {args.resolution} rows (top {args.top_k or 20} per answer token, "
                   f"{what}) in {parts_path(args.out)}")
         if args.html:

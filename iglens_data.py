@@ -8,7 +8,8 @@ whole batch), ``resume``, and the split of items over the ranks of ``torchrun`` 
 :func:`attribute_dataset` is the entry point; the command line's ``--dataset`` calls it. With
 ``resolution=`` it also writes a long table of each item's top parts (heads, neurons or (head,
 source token) pairs) and their sums, or of each answer token's attribution graph
-(:mod:`iglens_graph`). Reading the input file and writing the shards is :mod:`iglens_tables`.
+(:mod:`iglens_graph`), or with ``corrupted_column`` each answer token's counterfactual graph
+(:mod:`iglens_counterfactual`). Reading the input file and writing the shards is :mod:`iglens_tables`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from iglens_core import (ESTIMATORS, Attribution, Components, Readout, Trace, check_foil, check_layers,
-                         check_quantity, check_same_model, check_sequence, check_steps, collect_components, components,
-                         context_length, get_adapter, ig_lens, logits_at_end, model_fingerprint, precision,
-                         resolve_baseline, stream_hooks, tie_tolerance, RANK_ATOL, RANK_RTOL)
+from iglens_core import (ESTIMATORS, Attribution, Readout, Trace, check_foil, check_layers, check_quantity,
+                         check_same_model, check_sequence, check_steps, collect_components, components, context_length,
+                         get_adapter, ig_lens, logits_at_end, model_fingerprint, precision, resolve_baseline,
+                         stream_hooks, RANK_ATOL, RANK_RTOL)
 import iglens_tables as igt
+from iglens_counterfactual import counterfactual_graph
 from iglens_graph import attribution_graphs
-from iglens_stats import top_parts
 
 
 # ---------------------------------------------------------------------------
@@ -394,84 +395,32 @@ def _item_frame(attribution: Attribution, tokenizer, row: int, item_id: str, foi
 DATASET_RESOLUTIONS = ("head", "neuron", "source", "graph")  # attribute_dataset(resolution=) and --resolution
 
 
-
-def _not_zero(size: np.ndarray) -> np.ndarray:
-    """(m,) bool: which sizes ``|share|`` (m,) are not tied with 0 (above the row's
-    :func:`iglens_core.tie_tolerance`, as :func:`iglens_stats.top_positive` decides)."""
-    return size > tie_tolerance(size)[0]
-
-
-def _parts_frame(parts: Components, tokenizer, input_ids: torch.Tensor, resolution: str, top_k: int,
-                 row: int, item_id: str, foil: Optional[str]):
-    """One item's rows of the parts table (see :func:`attribute_dataset`) from its components."""
-    import pandas as pd
-    shares = (parts.neurons if resolution == "neuron" else parts.heads).double()  # (T, n, P + 1), bias last
-    split = parts.sources.double() if resolution == "source" else shares[..., :-1]
-    # the whole decomposition: the split parts, the biases, and the sublayer not split
-    whole = (split.flatten(1).sum(-1) + shares[..., -1].sum(-1)
-             + (parts.attn if resolution == "neuron" else parts.mlp).double().sum(-1))  # (T,)
-    delta_p = parts.delta_p.double()
-    ids = input_ids.reshape(-1).tolist()
-    source_tokens = [tokenizer.decode([i]) for i in ids]
-    tokens = [tokenizer.decode([i]) for i in parts.targets.tolist()]
-    moved = parts.by_source().double() if resolution == "source" else None  # (T, S + 1)
-    columns = {name: [] for name in igt.PART_COLUMNS if name not in ("row", "id", "node", "quantity", "foil", "shard")}
-
-    def add(t, kind, share, rank=None, block=None, head=None, neuron=None, source=None):
-        for name, value in (("token_index", t), ("position", int(parts.positions[t])),
-                            ("token", tokens[t]), ("kind", kind),
-                            ("rank", rank), ("block", block), ("head", head), ("neuron", neuron),
-                            ("source_position", source),
-                            ("source_token", None if source is None else source_tokens[source]),
-                            ("share", float(share)), ("delta_p", float(delta_p[t])),
-                            ("parts_sum", float(whole[t]))):
-            columns[name].append(value)
-
-    for t in range(len(parts.targets)):
-        grid = split[t]  # (n, H, S), (n, H) or (n, d_ff)
-        picked = top_parts(grid, top_k)
-        for rank, flat in enumerate(picked.tolist(), 1):
-            at = np.unravel_index(flat, grid.shape)
-            where = dict(block=int(at[0]) + 1)
-            if resolution == "neuron":
-                where.update(neuron=int(at[1]))
-            else:
-                where.update(head=int(at[1]), source=int(at[2]) if resolution == "source" else None)
-            add(t, resolution, grid.reshape(-1)[flat], rank, **where)
-        add(t, "rest", delta_p[t] - grid.reshape(-1)[torch.from_numpy(picked)].sum())
-        if resolution == "source":
-            heads = parts.heads[t, :, :-1].double()  # (n, H): each head's sources added up
-            for flat in np.flatnonzero(_not_zero(heads.abs().reshape(-1).numpy())).tolist():
-                block, head = divmod(flat, heads.shape[1])
-                add(t, "head_total", heads[block, head], block=block + 1, head=head)
-            for source in range(int(parts.positions[t]) + 1):  # the pattern reads no later position
-                add(t, "source_total", moved[t, source], source=source)
-            add(t, "source_rest", moved[t, -1])
-    frame = pd.DataFrame(columns)
-    for name in ("rank", "block", "head", "neuron", "source_position"):
-        frame[name] = frame[name].astype("Int64")
-    frame.insert(0, "id", item_id)
-    frame.insert(0, "row", row)
-    frame["quantity"] = parts.quantity
-    frame["foil"] = foil
-    return frame
-
-
 @torch.no_grad()  # components() on a post-norm model (Gemma) would build a graph otherwise
 def _item_parts(model, tokenizer, sequence, row: int, item_id: str, foil: Optional[str],
-                foil_id: Optional[int], *, resolution: str, top_k: int, **settings):
+                foil_id: Optional[int], *, resolution: str, top_k: int, corrupted=None, **settings):
     """One item's parts table: :func:`collect_components` and :func:`components` of its
-    ``(prompt ids, answer ids)``, then :func:`_parts_frame`; or (``"graph"``) the graph of every answer
-    token, :func:`iglens_tables.graph_frame`. ``settings``: steps, estimator, readout, quantity."""
+    ``(prompt ids, answer ids)``, then :func:`iglens_tables.parts_frame`; or (``"graph"``) the graph of every answer
+    token, :func:`iglens_tables.graph_frame`; with ``corrupted`` (the corrupted prompt's ids, as long as the
+    prompt's, the same answer after them) each answer token's counterfactual graph. ``settings``: steps,
+    estimator, readout, quantity."""
     prompt, answer = sequence
     input_ids = torch.tensor([list(prompt) + list(answer)])
+    if corrupted is not None:  # answer token j, predicted at t: clean ids[:t+1] against corrupted ids[:t+1]
+        import pandas as pd
+        bad, frames = torch.tensor([list(corrupted) + list(answer)]), []
+        for j, t in enumerate(range(len(prompt) - 1, input_ids.shape[1] - 1)):
+            graph = counterfactual_graph(model, input_ids[:, :t + 1], bad[:, :t + 1], int(input_ids[0, t + 1]),
+                                         quantity=settings["quantity"], foil=foil_id, steps=settings["steps"])
+            frames.append(igt.graph_frame(graph, tokenizer, top_k).assign(token_index=j))
+        frame = pd.concat(frames, ignore_index=True).assign(row=row, id=item_id, foil=foil)
+        return frame.reindex(columns=igt.PART_COLUMNS[:-1] + igt.CONTRAST_COLUMNS).astype({"token_index": "int64"})
     if resolution == "graph":
         graphs = attribution_graphs(model, input_ids, len(prompt), foil=foil_id, **settings)
         frame = igt.graph_frame(graphs, tokenizer, top_k).assign(row=row, id=item_id, foil=foil)
     else:
         trace = collect_components(model, input_ids, len(prompt), sources=resolution == "source")
         split = components(model, trace, resolution=resolution, foil=foil_id, **settings)
-        frame = _parts_frame(split, tokenizer, input_ids, resolution, top_k, row, item_id, foil)
+        frame = igt.parts_frame(split, tokenizer, input_ids, resolution, top_k, row, item_id, foil)
     return frame.reindex(columns=igt.PART_COLUMNS[:-1]).astype({"node": "Int64"})
 
 
@@ -545,7 +494,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
                       readout: Optional[Readout] = None, prompt_column: str = "prompt",
                       answer_column: Optional[str] = None, id_column: Optional[str] = None,
                       quantity: str = "prob", foil_column: Optional[str] = None,
-                      resolution: Optional[str] = None, top_k: int = 20):
+                      resolution: Optional[str] = None, top_k: int = 20, corrupted_column: Optional[str] = None):
     """IG-Lens over a whole dataset: batched, written as it goes, resumable, split over ranks.
 
     Items are tokenised (errors recorded per row), sorted by length and taken ``batch_size`` at
@@ -579,7 +528,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         resume: skip the ids already in ``OUT.parts/``. The settings that decide the numbers
             (:func:`run_settings`: model name and fingerprint, layers, estimator, baseline,
             steps, chat, max_new_tokens, quantity, resolution, top_k) and the columns read (prompt,
-            answer, id and foil, as resolved) are kept in ``OUT.parts/settings.json``; resuming
+            answer, id, foil and corrupted, as resolved) are kept in ``OUT.parts/settings.json``; resuming
             with other ones raises ValueError listing what differs, and so do shards without it.
         max_new_tokens: length limit of the greedy answers.
         progress: show a tqdm bar (off as well when ``TQDM_DISABLE`` is set).
@@ -598,8 +547,15 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
             same settings) as :func:`iglens_tables.graph_frame`'s rows: its top-k nodes and rest, and
             the carried map (node x position) with the rows that make each node add up.
         top_k: with ``resolution``, the parts written per answer token (an integer >= 1), picked
-            by :func:`top_parts` (largest ``|share|``, ties within rounding by the lower index,
+            by :func:`iglens_stats.top_parts` (largest ``|share|``, ties within rounding by the lower index,
             never a part tied with 0).
+        corrupted_column: with ``resolution="graph"``, a column of corrupted prompts (e.g. the subject
+            swapped), each encoded as its prompt (``chat``) with the same answer tokens after it; answer
+            token j (predicted at t) then gets the counterfactual graph of ``f(clean) - f(corrupted)``
+            (:func:`iglens_counterfactual.counterfactual_graph` of ids[:t+1], corrupted ids[:t+1], target
+            ids[t+1]; ``steps`` its first quadrature nodes, ``quantity`` and foil as above) as
+            :func:`iglens_tables.graph_frame`'s rows with ``f_clean``, ``f_corrupted``, ``gap``. A row whose
+            corrupted prompt is empty or of another token length is an error row naming the lengths.
 
     Returns:
         ``(results, errors)`` DataFrames. ``results``: one row per (item, answer token, segment)
@@ -619,7 +575,7 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         ``"head"`` or ``"neuron"``), the top-k parts, ``rank`` 1..k; ``"rest"``, one row: Δp
         minus those k, so that they and it add up to ``delta_p`` exactly; and with ``"source"``
         also ``"head_total"`` (each head of each block: its sources added up; only the heads
-        whose total is not tied with 0, as :func:`top_parts` decides, about 40% of them on the
+        whose total is not tied with 0, as :func:`iglens_stats.top_parts` decides, about 40% of them on the
         packaged model) and
         ``"source_total"`` (every source position up to the predicting one: what all heads of all
         blocks moved from it) with ``"source_rest"`` (MLPs, attention biases, the estimator's
@@ -634,11 +590,12 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
         ``foil``; not-applicable entries are null.
     """
     import time
-    _check_run_arguments(batch_size, resume, out)
+    _check_run_arguments(batch_size, resume, out, resolution, corrupted_column)
     table = igt.read_items(items, prompt_column=prompt_column, answer_column=answer_column,
-                           id_column=id_column, foil_column=foil_column)
+                           id_column=id_column, foil_column=foil_column, corrupted_column=corrupted_column)
     run = _checked_run(model, readout, layers=layers, steps=steps, estimator=estimator, baseline=baseline,
                        quantity=quantity, resolution=resolution, top_k=top_k)
+    run.corrupted_column, run.corrupted = corrupted_column, {}  # row -> corrupted prompt ids (_tokenize)
     rank, world = distributed_rank()
     parts = _prepare_shards(run, out, resume, rank, world, chat=bool(chat), max_new_tokens=max_new_tokens,
                             **table.attrs.get("columns", {}))
@@ -662,8 +619,12 @@ def attribute_dataset(model, tokenizer, items, *, layers: Optional[Sequence[int]
 
 # The steps of attribute_dataset, in the order it takes them.
 
-def _check_run_arguments(batch_size, resume: bool, out) -> None:
+def _check_run_arguments(batch_size, resume: bool, out, resolution=None, corrupted_column=None) -> None:
     """The arguments that need neither the items nor the model, checked first."""
+    if corrupted_column is not None and resolution != "graph":
+        raise ValueError(f"corrupted_column= (--corrupted-column) reads each row's corrupted prompt for the "
+                         f"counterfactual graph, which needs resolution='graph' (--resolution graph), got "
+                         f"resolution={resolution!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if resume and out is None:
@@ -797,6 +758,17 @@ def _tokenize(run: SimpleNamespace, tokenizer, mine, chat: bool, sink: _Sink, ba
                 ids, prompt_len = encode(tokenizer, item.prompt, item.answer, chat=chat)
                 check_sequence(run.model, ids, prompt_len)
                 sequences[item.row] = (ids[0, :prompt_len].tolist(), ids[0, prompt_len:].tolist())
+            if run.corrupted_column is not None:  # the counterfactual graph: a corrupted prompt of the same length
+                pair = sequences.pop(item.row)  # back once the corrupted prompt fits
+                bad = prompt_token_ids(tokenizer, item.corrupted, chat) if item.corrupted else []
+                if not bad or len(bad) != len(pair[0]):
+                    raise ValueError(
+                        f"no corrupted prompt in column {run.corrupted_column!r}" if not bad else
+                        f"the corrupted prompt {item.corrupted!r} (column {run.corrupted_column!r}) tokenises to "
+                        f"{len(bad)} prompt tokens, the prompt {item.prompt!r} to {len(pair[0])}: positions must "
+                        "align; give a corruption of the same token length (e.g. a subject of as many tokens)")
+                sequences[item.row] = pair
+                run.corrupted[item.row] = bad
         except ValueError as err:
             errors.append(dict(row=item.row, id=item.id, error=str(err)))
     sink.add(pd.DataFrame(columns=igt.RESULT_COLUMNS[:-1]), _error_frame(errors))
@@ -840,7 +812,7 @@ def _run_batch(run: SimpleNamespace, tokenizer, table, rows: list, sequences: di
             try:
                 pieces.append(_item_parts(run.model, tokenizer, full[r], r, ids_of[r], foils_of[r],
                                           foil_ids.get(r), resolution=run.resolution, top_k=run.top_k,
-                                          **run.method))
+                                          corrupted=run.corrupted.get(r), **run.method))
             except ValueError as err:
                 errors.append(dict(row=r, id=ids_of[r], error=str(err)))
                 del attributions[r]

@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Union
 import numpy as np
 import torch
 
-from iglens_core import Attribution, model_fingerprint, plain_number
+from iglens_core import Attribution, Components, model_fingerprint, plain_number, tie_tolerance
 from iglens_stats import top_parts
 
 
@@ -157,8 +157,9 @@ def _cell(value, column: str, source: str, where: str, what: str = "text"):
 
 
 def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[str] = None,
-               id_column: Optional[str] = None, foil_column: Optional[str] = None) -> "pd.DataFrame":
-    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``, ``foil``.
+               id_column: Optional[str] = None, foil_column: Optional[str] = None,
+               corrupted_column: Optional[str] = None) -> "pd.DataFrame":
+    """A dataset as a table of ``row``, ``id``, ``prompt``, ``answer``, ``foil`` (and ``corrupted``).
 
     The answer text is used exactly as given: it is tokenised on its own (no space added or
     stripped) and appended to the prompt's tokens. With the chat template the answer starts the
@@ -179,10 +180,13 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
         id_column: the name of the id column; None: ``id`` if there is one. A name given must exist.
         foil_column: the name of an optional foil column (one token's text, e.g. `` Lyon``;
             empty: no foil); None: ``foil`` if there is one. A name given must exist.
+        corrupted_column: the name of a column of corrupted prompts (the counterfactual graph's
+            ``--corrupted-column``), read into a ``corrupted`` column; None: none. A name given must exist.
 
     Returns:
         A DataFrame: ``row`` (int, position in the input), ``id`` (str, unique), ``prompt`` (str),
-        ``answer`` (str, or None for greedy), ``foil`` (str, or None).
+        ``answer`` (str, or None for greedy), ``foil`` (str, or None); with ``corrupted_column``, ``corrupted``
+        (str, or None).
 
     Raises:
         ValueError: an unknown extension, a directory, a file that is not UTF-8 or does not parse
@@ -197,7 +201,8 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
     if len(frame) == 0:
         raise ValueError(f"{source} has no rows (columns {list(frame.columns)})")
     where = frame.attrs.get("where") or [f"row {i}" for i in range(len(frame))]
-    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column, "foil": foil_column}
+    named = {"prompt": prompt_column, "answer": answer_column, "id": id_column, "foil": foil_column,
+             "corrupted": corrupted_column}
     for role, column in named.items():
         if column is not None and column not in frame.columns:
             flag = f"--{role}-column / {role}_column="
@@ -229,9 +234,11 @@ def read_items(items, *, prompt_column: str = "prompt", answer_column: Optional[
     table = pd.DataFrame(dict(row=range(len(frame)), id=ids,
                               prompt=[p or "" for p in prompts], answer=[a or None for a in answers],
                               foil=[f or None for f in foils]))
+    if corrupted_column is not None:
+        table["corrupted"] = [c or None for c in cells(corrupted_column)]
     # the columns read, as resolved (a resumed run must read the same ones)
     table.attrs["columns"] = dict(prompt_column=prompt_column, answer_column=answer_column,
-                                  id_column=id_column, foil_column=foil_column)
+                                  id_column=id_column, foil_column=foil_column, corrupted_column=corrupted_column)
     return table
 
 
@@ -548,6 +555,70 @@ PART_COLUMNS = ["row", "id", "token_index", "position", "token", "kind", "rank",
                  "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity", "foil", "shard"]
 
 
+def _not_zero(size: np.ndarray) -> np.ndarray:
+    """(m,) bool: which sizes ``|share|`` (m,) are not tied with 0 (above the row's
+    :func:`iglens_core.tie_tolerance`, as :func:`iglens_stats.top_positive` decides)."""
+    return size > tie_tolerance(size)[0]
+
+
+def parts_frame(parts: "Components", tokenizer, input_ids: torch.Tensor, resolution: str, top_k: int,
+                 row: int, item_id: str, foil: Optional[str]):
+    """One item's rows of the parts table (:func:`iglens_data.attribute_dataset` with ``resolution``
+    head, neuron or source) from its :class:`iglens_core.Components`."""
+    import pandas as pd
+    shares = (parts.neurons if resolution == "neuron" else parts.heads).double()  # (T, n, P + 1), bias last
+    split = parts.sources.double() if resolution == "source" else shares[..., :-1]
+    # the whole decomposition: the split parts, the biases, and the sublayer not split
+    whole = (split.flatten(1).sum(-1) + shares[..., -1].sum(-1)
+             + (parts.attn if resolution == "neuron" else parts.mlp).double().sum(-1))  # (T,)
+    delta_p = parts.delta_p.double()
+    ids = input_ids.reshape(-1).tolist()
+    source_tokens = [tokenizer.decode([i]) for i in ids]
+    tokens = [tokenizer.decode([i]) for i in parts.targets.tolist()]
+    moved = parts.by_source().double() if resolution == "source" else None  # (T, S + 1)
+    columns = {name: [] for name in PART_COLUMNS if name not in ("row", "id", "node", "quantity", "foil", "shard")}
+
+    def add(t, kind, share, rank=None, block=None, head=None, neuron=None, source=None):
+        for name, value in (("token_index", t), ("position", int(parts.positions[t])),
+                            ("token", tokens[t]), ("kind", kind),
+                            ("rank", rank), ("block", block), ("head", head), ("neuron", neuron),
+                            ("source_position", source),
+                            ("source_token", None if source is None else source_tokens[source]),
+                            ("share", float(share)), ("delta_p", float(delta_p[t])),
+                            ("parts_sum", float(whole[t]))):
+            columns[name].append(value)
+
+    for t in range(len(parts.targets)):
+        grid = split[t]  # (n, H, S), (n, H) or (n, d_ff)
+        picked = top_parts(grid, top_k)
+        for rank, flat in enumerate(picked.tolist(), 1):
+            at = np.unravel_index(flat, grid.shape)
+            where = dict(block=int(at[0]) + 1)
+            if resolution == "neuron":
+                where.update(neuron=int(at[1]))
+            else:
+                where.update(head=int(at[1]), source=int(at[2]) if resolution == "source" else None)
+            add(t, resolution, grid.reshape(-1)[flat], rank, **where)
+        add(t, "rest", delta_p[t] - grid.reshape(-1)[torch.from_numpy(picked)].sum())
+        if resolution == "source":
+            heads = parts.heads[t, :, :-1].double()  # (n, H): each head's sources added up
+            for flat in np.flatnonzero(_not_zero(heads.abs().reshape(-1).numpy())).tolist():
+                block, head = divmod(flat, heads.shape[1])
+                add(t, "head_total", heads[block, head], block=block + 1, head=head)
+            for source in range(int(parts.positions[t]) + 1):  # the pattern reads no later position
+                add(t, "source_total", moved[t, source], source=source)
+            add(t, "source_rest", moved[t, -1])
+    frame = pd.DataFrame(columns)
+    for name in ("rank", "block", "head", "neuron", "source_position"):
+        frame[name] = frame[name].astype("Int64")
+    frame.insert(0, "id", item_id)
+    frame.insert(0, "row", row)
+    frame["quantity"] = parts.quantity
+    frame["foil"] = foil
+    return frame
+
+
+
 # ---------------------------------------------------------------------------
 # The graphs of many answer tokens as one long table (the dataset path's resolution="graph")
 # ---------------------------------------------------------------------------
@@ -556,6 +627,12 @@ GRAPH_NODE_KINDS = ("embedding", "constants", "head", "neuron")  # graph_frame's
 _INTEGER_COLUMNS = ("rank", "block", "head", "neuron", "node", "source_position")
 GRAPH_FRAME_COLUMNS = ["token_index", "position", "token", "kind", "rank", "block", "head", "neuron", "node",
                        "source_position", "source_token", "share", "delta_p", "parts_sum", "quantity"]
+CONTRAST_COLUMNS = ["f_clean", "f_corrupted", "gap"]  # graph_frame's columns added for counterfactual graphs
+
+
+def _is_contrast(thing) -> bool:
+    """An iglens_counterfactual.CounterfactualGraph, known by its fields (this module does not import it)."""
+    return all(hasattr(thing, name) for name in ("carried", "f_clean", "f_corrupted", "corrupted_ids", "gaps"))
 
 
 def graph_frame(graphs: Iterable, tokenizer, top_k: int = 20):
@@ -589,6 +666,16 @@ def graph_frame(graphs: Iterable, tokenizer, top_k: int = 20):
       t) and ``Graph.constants_above[L]`` (constants of blocks > L). For every node L, readable + the
       carried row + constants_above = ``parts_sum``; at node 0 that is the leaves: embeddings + constants.
 
+    A counterfactual graph (:class:`iglens_counterfactual.CounterfactualGraph`, read at its last position t)
+    gives the same rows over ``delta = f(clean) - f(corrupted)``: its top-k token embeddings, heads and neurons
+    (those it has: without ``parts`` only embeddings; no constants, which cancel in the difference) and the
+    rest; ``"carried"``, the (node, position) map of the share of ``delta``; and instead of readable and
+    constants_above, ``"gaps_below"`` per node L, the quadrature gaps of blocks 1..L, so that for every node
+    the carried row + gaps_below = ``parts_sum``. There ``delta_p`` is ``delta``, ``parts_sum`` the leaves'
+    sum (``carried[0].sum() = delta + gap``), ``token_index`` null (the graph does not know the prompt's
+    length; the dataset path fills it in), and the columns :data:`CONTRAST_COLUMNS` are added: ``f_clean``,
+    ``f_corrupted`` (f of the float64 chain) and ``gap`` (every quadrature gap together).
+
     Columns: :data:`GRAPH_FRAME_COLUMNS`: ``token_index`` (answer token), ``position`` (its predicting
     position t), ``token`` (its text), ``kind``, ``rank``, ``block`` (1..n), ``head``, ``neuron``, ``node``
     (0..n), ``source_position`` (a sequence position), ``source_token`` (its text), ``share``,
@@ -598,14 +685,15 @@ def graph_frame(graphs: Iterable, tokenizer, top_k: int = 20):
 
     Args:
         graphs: :class:`iglens_graph.Graph` objects, e.g. :func:`iglens_graph.attribution_graphs`'s (read once, one
-            graph at a time), or one Graph.
+            graph at a time), or one Graph; or counterfactual graphs (one, or a list).
         tokenizer: for the tokens' text (anything with ``decode``).
         top_k: nodes written per graph, an integer >= 1.
     """
     import pandas as pd
 
     def is_graph(thing) -> bool:  # an iglens_graph.Graph, known by its fields (this module does not import it)
-        return all(hasattr(thing, name) for name in ("carried", "readable", "constants_above", "pruned", "tokens"))
+        return _is_contrast(thing) or all(hasattr(thing, name) for name in
+                                          ("carried", "readable", "constants_above", "pruned", "tokens"))
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k must be an integer >= 1 (nodes written per answer token), got {top_k!r}")
     if not callable(getattr(tokenizer, "decode", None)):
@@ -615,27 +703,32 @@ def graph_frame(graphs: Iterable, tokenizer, top_k: int = 20):
     if isinstance(graphs, (str, bytes, dict)) or not hasattr(graphs, "__iter__"):
         raise ValueError(f"graphs must be iglens_graph.Graph objects (one, a list, or attribution_graphs' iterator), "
                          f"got {type(graphs).__name__}")
-    frames, ids, texts = [], None, None
+    frames, ids, texts, contrast = [], None, None, False
     for i, graph in enumerate(graphs):
         if not is_graph(graph):
             raise ValueError(f"graphs[{i}] must be an iglens_graph.Graph (from attribution_graph or "
-                             f"attribution_graphs), got {type(graph).__name__}")
+                             f"attribution_graphs) or a CounterfactualGraph, got {type(graph).__name__}")
         if ids is None or not torch.equal(ids, graph.input_ids):
-            ids, texts = graph.input_ids, graph.tokens(tokenizer)
-        frames.append(_graph_rows(graph, texts, int(top_k)))
+            ids, texts = graph.input_ids, [tokenizer.decode([tok]) for tok in graph.input_ids.tolist()]
+        frames.append(_graph_rows(graph, texts, int(top_k), tokenizer.decode([int(graph.target)])))
+        contrast = contrast or _is_contrast(graph)
+    columns = GRAPH_FRAME_COLUMNS + (CONTRAST_COLUMNS if contrast else [])
     if not frames:
         return pd.DataFrame({name: pd.Series(dtype="object") for name in GRAPH_FRAME_COLUMNS})
-    return pd.concat(frames, ignore_index=True)[GRAPH_FRAME_COLUMNS]
+    return pd.concat(frames, ignore_index=True).reindex(columns=columns)
 
 
-def _graph_rows(graph, texts: list[str], top_k: int):
-    """One graph's rows of :func:`graph_frame`, built column by column."""
+def _graph_rows(graph, texts: list[str], top_k: int, token: str):
+    """One graph's rows of :func:`graph_frame` (``token``: the target's text), built column by column."""
     import pandas as pd
-    n, H, S = graph.heads.shape
-    t, null = graph.position, None
-    sizes = [S, 1, n * H * S, n * S * graph.neurons.shape[-1]]  # in GRAPH_NODE_KINDS order
-    flat = torch.cat([graph.embeddings, torch.tensor([graph.constants], dtype=torch.float64),
-                      graph.heads.reshape(-1), graph.neurons.reshape(-1)])
+    contrast, (n, S) = _is_contrast(graph), (graph.carried.shape[0] - 1, graph.carried.shape[1])
+    heads = graph.heads if graph.heads is not None else torch.zeros(n, 0, S, dtype=torch.float64)
+    neurons = graph.neurons if graph.neurons is not None else torch.zeros(n, S, 0, dtype=torch.float64)
+    H, t, null = heads.shape[1], S - 1 if contrast else graph.position, None
+    constants = [] if contrast else [graph.constants]  # no constants in f(clean) - f(corrupted)
+    sizes = [S, len(constants), n * H * S, neurons.numel()]  # in GRAPH_NODE_KINDS order
+    flat = torch.cat([graph.embeddings.double(), torch.tensor(constants, dtype=torch.float64),
+                      heads.reshape(-1).double(), neurons.reshape(-1).double()])
     starts = np.cumsum([0] + sizes)
     picked = top_parts(flat, top_k)
     rows = dict(kind=[], rank=[], block=[], head=[], neuron=[], node=[], source_position=[], share=[])
@@ -656,19 +749,26 @@ def _graph_rows(graph, texts: list[str], top_k: int):
             block, head, position = np.unravel_index(offset, (n, H, S))
             add(kind, flat[index], rank, block=int(block) + 1, head=int(head), source=int(position))
         else:
-            block, position, neuron = np.unravel_index(offset, graph.neurons.shape)
+            block, position, neuron = np.unravel_index(offset, neurons.shape)
             add(kind, flat[index], rank, block=int(block) + 1, neuron=int(neuron), source=int(position))
-    add("rest", graph.delta_p - float(flat[torch.from_numpy(picked)].sum()))
+    delta_p = graph.delta if contrast else graph.delta_p
+    add("rest", delta_p - float(flat[torch.from_numpy(picked)].sum()))
     for node in range(n + 1):
         for position in range(t + 1):
             add("carried", graph.carried[node, position], node=node, source=position)
-    for node in range(n + 1):
+    if contrast:  # gaps of the blocks below node L: carried[L].sum() + them = carried[0].sum()
+        below = torch.cat([torch.zeros(1, dtype=torch.float64), graph.gaps.double().sum(-1).cumsum(0)])
+        for node in range(n + 1):
+            add("gaps_below", below[node], node=node)
+    for node in range(n + 1) if not contrast else ():
         add("readable", graph.readable[node], node=node)
-    for node in range(n + 1):
+    for node in range(n + 1) if not contrast else ():
         add("constants_above", graph.constants_above[node], node=node)
     frame = pd.DataFrame({name: pd.array(values, dtype="Int64") if name in _INTEGER_COLUMNS else values
                           for name, values in rows.items()})
     frame["source_token"] = [None if s is None else texts[s] for s in rows["source_position"]]
-    frame = frame.assign(token_index=graph.token, position=t, token=texts[t + 1], delta_p=graph.delta_p,
-                         parts_sum=graph.delta, quantity=graph.quantity)
+    frame = frame.assign(token_index=None if contrast else graph.token, position=t, token=token, delta_p=delta_p,
+                         parts_sum=float(graph.carried[0].sum()) if contrast else graph.delta, quantity=graph.quantity)
+    if contrast:
+        frame = frame.assign(f_clean=graph.f_clean, f_corrupted=graph.f_corrupted, gap=graph.gap)
     return frame

@@ -16,6 +16,8 @@ kind, block, position, token, share and activation; a menu picks the answer toke
 (node x position) beside the graph; the completeness line as the title. :func:`to_circuit_tracer`
 writes the graph JSON that circuit-tracer's and Neuronpedia's graph viewers load.
 :func:`write_graph` does both for the command line, ``iglens graph``.
+:func:`to_contrast_html` draws a counterfactual graph (:mod:`iglens_counterfactual`): its carried map and heads,
+``iglens graph --corrupted --html``.
 """
 
 from __future__ import annotations
@@ -510,3 +512,67 @@ def write_graph(model, input_ids, prompt_len: int, tokens: Sequence[str], *, ans
             name = json_out if len(views) == 1 else json_out.with_name(f"{json_out.stem}-{k}.json")
             to_circuit_tracer(view, name, scan=scan)
     return views
+
+
+def to_contrast_html(graph, tokens: Sequence[str], path, *, corrupted_tokens: Optional[Sequence[str]] = None,
+                     title: str = "", plotlyjs: Union[bool, str] = True) -> Path:
+    """Write one offline page of a counterfactual graph (:class:`iglens_counterfactual.CounterfactualGraph`, read
+    by its fields): the carried map, node L x position s, each cell's share of ``delta = f(clean) - f(corrupted)``
+    (red adds, blue removes), hovering gives the clean and the corrupted token, the share and its fraction of
+    delta; beside it the heads' shares summed over queries (block x head). The title gives f(clean),
+    f(corrupted), delta and the gap. The numbers are also embedded as JSON in ``<script type="application/json"
+    id="iglens-contrast-data">``: ``carried`` (n+1, S), ``heads`` (n, H) or null, ``tokens``, ``corrupted_tokens``,
+    ``f_clean``, ``f_corrupted``, ``delta``, ``gap``, ``first``.
+
+    Args:
+        graph: the counterfactual graph. tokens: the clean sequence's tokens as text, at least its S (more are
+            ignored); corrupted_tokens: the corrupted sequence's (default: the clean ones).
+        path: the ``.html`` file; its folder must exist. plotlyjs: as :func:`to_graph_html`.
+    """
+    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go
+    out = check_html_path(path)
+    if not all(hasattr(graph, name) for name in ("carried", "f_clean", "f_corrupted", "corrupted_ids", "gaps")):
+        raise ValueError(f"graph must be a CounterfactualGraph (counterfactual_graph's), got {type(graph).__name__}")
+    clean, corrupted = list(tokens), list(tokens if corrupted_tokens is None else corrupted_tokens)
+    carried = graph.carried.double().numpy()
+    n, S = carried.shape[0] - 1, carried.shape[1]
+    if len(clean) < S or len(corrupted) < S:
+        raise ValueError(f"tokens must name the sequence's {S} positions, got {len(clean)} and {len(corrupted)}")
+    labels = token_labels(clean[:S])
+    swapped = [html.escape(repr(clean[s]) + (f" (corrupted {corrupted[s]!r})" if corrupted[s] != clean[s] else ""))
+               for s in range(S)]
+    text = [[f"node {L}, position {s}: {swapped[s]}<br>share {carried[L, s]:+.4g} = {carried[L, s] / graph.delta:+.1%} "
+             "of delta" for s in range(S)] for L in range(n + 1)]
+    bound = max(float(np.abs(carried).max()), 1e-12)
+    heads = graph.heads.double().sum(-1).numpy() if graph.heads is not None else None
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.7, 0.3], horizontal_spacing=0.08,
+                        subplot_titles=("carried: the share of delta that h_L(s) passes on",
+                                        "heads: their share of delta (all queries)" if heads is not None else ""))
+    fig.add_trace(go.Heatmap(z=carried, x=list(range(S)), y=list(range(n + 1)), text=text, hoverinfo="text",
+                             colorscale="RdBu", reversescale=True, zmin=-bound, zmax=bound,
+                             colorbar=dict(x=0.66, title="share")), row=1, col=1)
+    if heads is not None:
+        top = max(float(np.abs(heads).max()), 1e-12)
+        fig.add_trace(go.Heatmap(z=heads, x=list(range(heads.shape[1])), y=list(range(1, n + 1)), colorscale="RdBu",
+                                 reversescale=True, zmin=-top, zmax=top, showscale=False,
+                                 hovertemplate="block %{y}, head %{x}: %{z:+.4g}<extra></extra>"), row=1, col=2)
+    headline = (f"f(clean) {graph.f_clean:.4g}, f(corrupted) {graph.f_corrupted:.4g}, delta {graph.delta:+.4g} "
+                f"({graph.quantity}); every node adds up to it within {abs(graph.gap):.1e}; first swapped position "
+                f"{graph.first}")
+    fig.update_layout(title=dict(text=html.escape(title) + ("<br>" if title else "") + headline, font=dict(size=12)),
+                      width=1400, height=720, margin=dict(t=110, b=110), plot_bgcolor="white")
+    fig.update_xaxes(tickmode="array", tickvals=list(range(S)), ticktext=[html.escape(t) for t in labels], tickangle=-60,
+                     tickfont=dict(size=9), title_text="position (token)", row=1, col=1)
+    fig.update_yaxes(title_text="node L (h_L: after block L)", row=1, col=1)
+    fig.update_xaxes(title_text="head", row=1, col=2)
+    fig.update_yaxes(title_text="block", row=1, col=2)
+    fig.write_html(out, include_plotlyjs=plotlyjs, full_html=True, div_id="iglens-contrast", config={"displaylogo": False})
+    data = dict(carried=carried.tolist(), heads=None if heads is None else heads.tolist(), tokens=clean[:S],
+                corrupted_tokens=corrupted[:S], f_clean=graph.f_clean, f_corrupted=graph.f_corrupted,
+                delta=graph.delta, gap=graph.gap, first=graph.first)
+    page = out.read_text(encoding="utf-8")
+    at = page.rindex("</body>")
+    out.write_text(page[:at] + '<script type="application/json" id="iglens-contrast-data">'
+                   + json.dumps(data).replace("</", "<\\/") + "</script>\n" + page[at:], encoding="utf-8")
+    return out

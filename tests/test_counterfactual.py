@@ -276,7 +276,8 @@ def test_non_finite_weights_named():
 
 def test_cli_corrupted(tmp_path, monkeypatch, capsys):
     """``iglens graph PROMPT --corrupted TEXT --json``: the file holds the counterfactual graph of the first answer
-    token, equal to counterfactual_graph's; a corrupted prompt of another length is one line of error."""
+    token, equal to counterfactual_graph's; a corrupted prompt of another length is one line of error; ``--html``
+    writes its page, the carried map and the heads' shares embedded as they are."""
     import json
     import iglens_cli as igcli
     model = tiny_model("llama", seed=5)
@@ -300,5 +301,11 @@ def test_cli_corrupted(tmp_path, monkeypatch, capsys):
     assert data["delta"] == pytest.approx(want.delta, abs=1e-12) and "adds up to it" in capsys.readouterr().out
     assert igcli.main(["graph", "a prompt", "--corrupted", "short", "--json", str(out)]) == 2
     assert "--corrupted must tokenize to the prompt's length" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        igcli.main(["graph", "a prompt", "--corrupted", "other", "--html", str(tmp_path / "a.html")])
+    page = tmp_path / "cf.html"  # the page: the carried map and the heads, their numbers embedded
+    assert igcli.main(["graph", "a prompt", "--corrupted", "other", "--html", str(page), "--quantity", "logprob"]) == 0
+    text = page.read_text()
+    embedded = json.loads(text.split('<script type="application/json" id="iglens-contrast-data">')[1].split("</script>")[0])
+    torch.testing.assert_close(torch.tensor(embedded["carried"], dtype=torch.float64), want.carried, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(embedded["heads"], dtype=torch.float64), want.heads.sum(-1), rtol=0, atol=1e-12)
+    assert embedded["corrupted_tokens"][1] == str([int(bad[0, 1])]) != embedded["tokens"][1]
+    assert "Plotly.newPlot" in text and f"delta {want.delta:+.4g}" in text and str(page) in capsys.readouterr().out

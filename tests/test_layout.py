@@ -17,7 +17,7 @@ NEIGHBOURS = ["iglens_data", "iglens_tables", "iglens_plot", "iglens_cli", "igle
 MODULES = ["iglens_core", "iglens_models", *NEIGHBOURS]
 # who may import whom among the neighbours (the core is open to all); nothing imports the command line
 ALLOWED = {"iglens_cli": {"iglens_data", "iglens_tables", "iglens_plot", "iglens_view", "iglens_counterfactual"},
-           "iglens_data": {"iglens_stats", "iglens_tables", "iglens_graph"}, "iglens_tables": {"iglens_stats"},
+           "iglens_data": {"iglens_stats", "iglens_tables", "iglens_graph", "iglens_counterfactual"}, "iglens_tables": {"iglens_stats"},
            "iglens_causal": {"iglens_stats", "iglens_baselines"},
            "iglens_dpa": {"iglens_baselines", "iglens_graph", "iglens_dpa_method"}, "iglens_dpa_method": {"iglens_graph"},
            "iglens_graph": {"iglens_checks"}, "iglens_counterfactual": {"iglens_checks"},
