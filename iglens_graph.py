@@ -62,8 +62,9 @@ from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 from iglens_checks import (REBUILD_TOLERANCE, check_memory,  # noqa: F401 (public names here too)
                            non_finite_error, non_finite_parameters, rebuild_tolerance)
-from iglens_graph_blocks import (PATH_CHECK, PATH_NODES, PATH_TIERS, LinearBlock, block_parts,  # noqa: F401
-                                 freeze_norm, path_coefficients, record_pass)
+from iglens_graph_blocks import (PATH_CHECK, PATH_NODES, PATH_TIERS, TABLE_CHECK, LinearBlock,  # noqa: F401
+                                 block_parts, freeze_norm, path_coefficients, path_coefficients_tabulated,
+                                 path_table, record_pass)
 
 # bytes the recorded patterns and, with edges=True, the edges may take, each (n, H, S, S) float64 (read at each call)
 GRAPH_MEMORY_BUDGET = 4 * 2**30
@@ -249,8 +250,8 @@ class Graph:
                     back[node.position, node.index] = cotangents[start][1][node.position, node.index]
                     cot, const = block.attn_to_input(back)
             else:  # the logit: the top terms' own gradients at t seed every block's increments
-                seeds = torch.zeros(n, 2, *h0.shape, dtype=torch.float64)  # (n, 2, S, d)
-                seeds[:, :, self.position] = self.gbar
+                seeds = torch.zeros(n, 2, *h0.shape, dtype=h0.dtype)  # (n, 2, S, d)
+                seeds[:, :, self.position] = self.gbar.to(h0.dtype)
             for below in reversed(range(start)):
                 block = blocks[below]
                 c_m, k = block.mlp_from_output(cot + seeds[below, 1] if top else cot)
@@ -348,7 +349,7 @@ def _check_int(name: str, value, low: int, high: int) -> int:
 @torch.no_grad()
 def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, estimator: str = "prediction_aware",
                       steps: int = 16, quantity: str = "prob", foil=None, readout: Optional[Readout] = None,
-                      edges: bool = True, maps: bool = False) -> Graph:
+                      edges: bool = True, maps: bool = False, dtype=None, check: Optional[bool] = None) -> Graph:
     """The exact attribution graph of answer token ``token`` (see the module docstring).
 
     Args:
@@ -361,12 +362,21 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         quantity, foil, readout: as ``ig_lens`` (foil: one id or one per answer token).
         edges: also return the (n, H, S, S) edges (float64; skip them for long sequences: with the
             recorded patterns, of the same size, they must fit :data:`GRAPH_MEMORY_BUDGET`).
-        maps: keep every block's linearised maps (float64 copies of its weights) on the graph, for
+        maps: keep every block's linearised maps (copies of its weights in ``dtype``) on the graph, for
             :meth:`Graph.adjacency`.
+        dtype: the working precision of the linearised blocks and the sweep: ``torch.float64`` (or
+            ``"float64"``), ``torch.float32`` (``"float32"``), or None: float32 for a float32 model, float64
+            otherwise. The top terms, ``delta`` and the graph's fields are float64 either way.
+        check: rebuild every block's gate, up, value and head activations from the weights and check the
+            block against the recorded states (``Graph.rebuild``); False reuses the activations the recorded
+            pass kept (``Graph.rebuild`` NaN: not measured). None: True in float64, False in float32.
 
-    Precision: float64 from the model's own recorded activations, for a bfloat16 or float16 model too;
+    Precision: in float64, from the model's own recorded activations, for a bfloat16 or float16 model too;
     its states are rounded to its dtype, so the rebuild checks allow :func:`rebuild_tolerance` and the
-    identities hold to that rounding.
+    identities hold to that rounding. In float32 (a float32 model's default) the blocks use the model's own
+    weights (no copies) and activations, ``a(g)`` comes from a table (:func:`iglens_graph_blocks.path_table`,
+    within float32's half-ulp of the 64-node rule), and the identities hold to float32 rounding: each
+    within about ``eps_32 * sqrt(K)`` times the scale of the summed shares (K the length of the sums).
 
     Returns:
         :class:`Graph`.
@@ -381,7 +391,21 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
     input_ids = check_sequence(model, input_ids, prompt_len)
     token = _check_int("token", token, 0, input_ids.shape[1] - prompt_len - 1)
     return next(attribution_graphs(model, input_ids, prompt_len, tokens=[token], estimator=estimator, steps=steps,
-                                   quantity=quantity, foil=foil, readout=readout, edges=edges, maps=maps))
+                                   quantity=quantity, foil=foil, readout=readout, edges=edges, maps=maps,
+                                   dtype=dtype, check=check))
+
+
+def _check_dtype(model, dtype) -> torch.dtype:
+    """The graph's working dtype: ``dtype`` (torch.float32 or torch.float64, or their names), or for None
+    float32 for a float32 model and float64 otherwise; a ValueError naming the valid values."""
+    named = {"float32": torch.float32, "float64": torch.float64, torch.float32: torch.float32,
+             torch.float64: torch.float64}
+    if dtype is None:
+        return torch.float32 if next(model.parameters()).dtype == torch.float32 else torch.float64
+    if isinstance(dtype, (str, torch.dtype)) and dtype in named:
+        return named[dtype]
+    raise ValueError(f"dtype must be None (float32 for a float32 model, else float64), torch.float32, torch.float64, "
+                     f"'float32' or 'float64', got {dtype!r}")
 
 
 def _check_model_mode(model) -> None:
@@ -393,7 +417,7 @@ def _check_model_mode(model) -> None:
 def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Sequence[int]] = None,
                        estimator: str = "prediction_aware", steps: int = 16, quantity: str = "prob", foil=None,
                        readout: Optional[Readout] = None, edges: bool = False,
-                       maps: bool = False) -> Iterator[Graph]:
+                       maps: bool = False, dtype=None, check: Optional[bool] = None) -> Iterator[Graph]:
     """:func:`attribution_graph` of several answer tokens of one sequence, sharing the work that does
     not depend on the token: one recorded pass, the linearised blocks, one readout pass for every
     token's segment gradients. Each graph equals :func:`attribution_graph`'s of its token (up to the
@@ -427,6 +451,10 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     for name, flag in (("edges", edges), ("maps", maps)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
+    work = _check_dtype(model, dtype)
+    if check is not None and not isinstance(check, bool):
+        raise ValueError(f"check must be None, True or False, got {check!r}")
+    check = work == torch.float64 if check is None else check
     check_same_model(model, readout=readout)
     readout = readout or Readout(model)
     adapter = get_adapter(model)
@@ -436,7 +464,7 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     H, H_kv = head_counts(model)
     check_memory(n, H, S, edges, GRAPH_MEMORY_BUDGET)
     parts = [block_parts(block, layer) for layer, block in enumerate(adapter.blocks)]
-    store = record_pass(model, adapter, parts, input_ids)
+    store = record_pass(model, adapter, parts, input_ids, work, inner=not check, head=False)
     at = torch.tensor([prompt_len - 1 + token for token in tokens])  # (T',) predicting positions
     used = int(at.max()) + 1  # later positions carry nothing to them: the blocks are linearised without them
     store = {key: value[:, :used, :used] if key[0] == "pattern" else value[:used] for key, value in store.items()}
@@ -451,19 +479,25 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     else:
         alphas, weights = quadrature(estimator, steps)
     picked = torch.tensor(tokens)
-    gbars, lenses = readout.along_segments(nodes, targets[picked], alphas, weights=weights,
-                                           foils=None if foils is None else foils[picked],
-                                           quantity=quantity)  # (2n, T', d), (2n+1, T')
+    where = "in the logits (the final norm and the head, reading out the recorded states)"
+    try:  # the recorded pass stopped at the final norm: the head is first read here
+        gbars, lenses = readout.along_segments(nodes, targets[picked], alphas, weights=weights,
+                                               foils=None if foils is None else foils[picked],
+                                               quantity=quantity)  # (2n, T', d), (2n+1, T')
+    except RuntimeError as error:  # the readout's first check of its form, on non-finite logits
+        if non_finite_parameters(model):
+            raise non_finite_error(model, where) from error
+        raise
     gbars, lenses = gbars.double().cpu(), lenses.double().cpu()
     if not bool(torch.isfinite(gbars).all() and torch.isfinite(lenses).all()):
-        raise non_finite_error(model, "in the readout of the recorded states (the final norm and the head)")
+        raise non_finite_error(model, where)
 
-    copies = 8 * sum(p.numel() for block in adapter.blocks for p in block.parameters() if p.dtype != torch.float64)
-    keep = maps or copies <= GRAPH_COPY_BUDGET  # float64 copies of every block's weights, or a cast at each use
+    copies = work.itemsize * sum(p.numel() for block in adapter.blocks for p in block.parameters() if p.dtype != work)
+    keep = maps or copies <= GRAPH_COPY_BUDGET  # copies of every block's weights in `work`, or a cast at each use
     tol = rebuild_tolerance(model)
-    blocks = [_Block(parts[layer], store, layer, H, H_kv, keep=keep, tol=tol) for layer in range(n)]
-    rebuild = max(block.rebuild for block in blocks)
-    if not rebuild <= tol:  # NaN too
+    blocks = [_Block(parts[layer], store, layer, H, H_kv, keep=keep, tol=tol, check=check) for layer in range(n)]
+    rebuild = max(block.rebuild for block in blocks) if check else float("nan")
+    if check and not rebuild <= tol:  # NaN too
         raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}, "
                          f"tolerance {tol:.0e}): this architecture computes its blocks otherwise than the graph "
                          "assumes")
@@ -486,35 +520,37 @@ def _sweep(shared: dict, token: int, t: int, target: int, foil: Optional[int], g
     backward sweep over the blocks linearised once for the sequence (``shared``)."""
     blocks, h, mid, H, S = shared["blocks"], shared["h"], shared["mid"], shared["H"], shared["S"]
     n, used = len(blocks), h[0].shape[0]  # the blocks hold positions 0..used-1; the rest carry 0
-    attn_terms = torch.stack([(mid[l][t] - h[l][t]) @ gbar[l, 0] for l in range(n)])  # (n,)
-    mlp_terms = torch.stack([(h[l + 1][t] - mid[l][t]) @ gbar[l, 1] for l in range(n)])  # (n,)
+    work = h[0].dtype  # the blocks' dtype; the top terms in float64
+    attn_terms = torch.stack([(mid[l][t].double() - h[l][t].double()) @ gbar[l, 0] for l in range(n)])  # (n,)
+    mlp_terms = torch.stack([(h[l + 1][t].double() - mid[l][t].double()) @ gbar[l, 1] for l in range(n)])  # (n,)
     delta = float((attn_terms + mlp_terms).sum())
     delta_p = float(lens[-1] - lens[0])
     readable = torch.cat([torch.zeros(1, dtype=torch.float64), (attn_terms + mlp_terms).cumsum(0)])  # (n+1,)
-    carried = torch.zeros(n + 1, S, dtype=torch.float64)
+    carried = torch.zeros(n + 1, S, dtype=work)
     constants = torch.zeros(n, 2, dtype=torch.float64)
-    heads_out = torch.zeros(n, H, S, dtype=torch.float64)
-    heads_direct = torch.zeros(n, H, dtype=torch.float64)
-    edges_out = torch.zeros(n, H, S, S, dtype=torch.float64) if shared["edges"] else None
-    neurons_out = torch.zeros(n, S, blocks[0].m.shape[-1], dtype=torch.float64)
+    heads_out = torch.zeros(n, H, S, dtype=work)
+    heads_direct = torch.zeros(n, H, dtype=work)
+    edges_out = torch.zeros(n, H, S, S, dtype=work) if shared["edges"] else None
+    neurons_out = torch.zeros(n, S, blocks[0].m.shape[-1], dtype=work)
+    gbar_work = gbar.to(work)
     neurons_direct = [None] * n
     cotangents = []  # per block: (neuron cotangents (S, d_ff), head cotangents (S, H, hd))
     cot = torch.zeros_like(h[0])  # (S, d) cotangent on h_n: nothing reads it but the top terms
     for layer in reversed(range(n)):
         block = blocks[layer]
         seed = torch.zeros_like(cot)
-        seed[t] = gbar[layer, 1]
-        c_m, const_out = block.mlp_from_output(cot + seed)  # (S, d_ff)
+        seed[t] = gbar_work[layer, 1]
+        c_m, const_out, direct = block.mlp_from_output(cot + seed, direct=(t, seed[t]))  # (S, d_ff), .., (d_ff,)
         neurons_out[layer, :used] = c_m * block.m
-        neurons_direct[layer] = block.mlp_from_output(seed[t:t + 1], slice(t, t + 1))[0][0] * block.m[t]
+        neurons_direct[layer] = direct * block.m[t]
         c_mid, const_in = block.mlp_to_input(c_m)
         constants[layer, 1] = const_out + const_in
         cot_mid = cot + c_mid  # (S, d)
         seed = torch.zeros_like(cot)
-        seed[t] = gbar[layer, 0]
-        back, const_out = block.attn_from_output(cot_mid + seed)  # (S, H, hd)
+        seed[t] = gbar_work[layer, 0]
+        back, const_out, direct = block.attn_from_output(cot_mid + seed, direct=(t, seed[t]))  # (S, H, hd), .., (H, hd)
         heads_out[layer, :, :used] = (block.zh * back).sum(-1).T
-        heads_direct[layer] = (block.zh[t] * block.attn_from_output(seed[t:t + 1], slice(t, t + 1))[0][0]).sum(-1)
+        heads_direct[layer] = (block.zh[t] * direct).sum(-1)
         if edges_out is not None:
             edges_out[layer, :, :used, :used] = block.A * torch.einsum("qhd,khd->hqk", back, block.v_heads)
         c_x, const_in = block.attn_to_input(back)
@@ -524,11 +560,13 @@ def _sweep(shared: dict, token: int, t: int, target: int, foil: Optional[int], g
         carried[layer, :used] = (cot * h[layer]).sum(-1)
     above = constants.sum(1).flip(0).cumsum(0).flip(0)  # (n,) constants of blocks >= L+1
     constants_above = torch.cat([above, torch.zeros(1, dtype=torch.float64)])  # (n+1,)
+    carried, heads_out, neurons_out = carried.double(), heads_out.double(), neurons_out.double()
     graph = Graph(token, t, target, foil, shared["quantity"], shared["estimator"], shared["steps"],
                   shared["input_ids"], delta, delta_p, abs(delta - delta_p), attn_terms, mlp_terms,
                   readable, carried, constants, constants_above, float(constants.sum()), carried[0].clone(),
-                  heads_out, heads_direct, neurons_out, torch.stack(neurons_direct),
-                  edges_out, shared["rebuild"], max(block.defect for block in blocks), gbar)
+                  heads_out, heads_direct.double(), neurons_out, torch.stack(neurons_direct).double(),
+                  None if edges_out is None else edges_out.double(), shared["rebuild"],
+                  max(block.defect for block in blocks), gbar)
     if shared["maps"]:
         graph._maps = (blocks, cotangents[::-1], h[0])
     return graph

@@ -1142,9 +1142,9 @@ def _graph_split(fn: Callable) -> dict[str, float]:
     def cumulative(file_end: str, name: str) -> float:
         return sum(v[3] for (file, _, fname), v in stats.items() if file.endswith(file_end) and fname == name)
 
-    parts = {"record": cumulative("iglens_graph.py", "_record"),
+    parts = {"record": cumulative("iglens_graph_blocks.py", "_record"),
              "readout": cumulative("iglens_core.py", "along_segments"),
-             "blocks": cumulative("iglens_graph.py", "__init__")}
+             "blocks": cumulative("iglens_graph_blocks.py", "__init__")}
     parts["sweep"] = total - sum(parts.values())
     return {"total": total, **parts}
 
