@@ -101,7 +101,7 @@ def test_identities_gauss_legendre_logprob_foil():
 
 # -- the sweep against autograd ------------------------------------------------------------------
 
-def gbar_of(model, ids, token, estimator="prediction_aware", steps=16):
+def gbar_of(model, ids, token, estimator="prediction_aware", steps=igg.GRAPH_STEPS):
     """(n, 2, d) segment gradients at the predicting position, from the core's own trace."""
     trace = ig.collect(model, ids, PROMPT, sublayer=True)
     nodes, _, _ = ig.path_nodes(trace, list(range(1, trace.n_layers + 1)), "sublayer")
