@@ -19,6 +19,11 @@ own ``b`` is kept as a check (``Graph.quadrature_defect``). A non-gated MLP with
 (``p = W1 z``) times the input map; ``act(b1)`` is a constant. Every constant (biases, LayerNorm's
 beta, ``y(0)``, the value bias through the pattern) is a leaf of its own: the constants.
 
+Precision (issue 45): a float32 model's graph runs its blocks and sweep in float32 on the model's own weights
+and recorded activations, ``a`` from a table checked against the 64-node rule
+(:func:`iglens_graph_blocks.path_table`); its identities hold to float32 rounding. ``dtype=torch.float64``
+gives the float64 graph above (and is the default for float64, bfloat16 and float16 models).
+
 The network is then affine in its residual states, identically at the actual input. The top credit
 is IG-Lens's sublayer terms at the predicting position t: block M's attention and MLP increments
 ``Delta(t)`` read against the path-averaged readout gradient ``gbar`` on their segment (as
