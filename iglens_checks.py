@@ -41,7 +41,10 @@ def non_finite_error(model, where: str) -> ValueError:
 
 _RECORDED = {"h": "the input of block {}", "norm1": "block {}'s input norm", "norm2": "block {}'s pre-MLP norm",
              "post_attn": "block {}'s post-attention norm", "post_mlp": "block {}'s post-MLP norm",
-             "pattern": "block {}'s attention pattern"}
+             "pattern": "block {}'s attention pattern", "gate": "block {}'s MLP gate projection",
+             "up": "block {}'s MLP up projection", "gate_up": "block {}'s MLP gate-up projection",
+             "fc": "block {}'s MLP input projection", "values": "block {}'s value projection",
+             "heads": "block {}'s attention heads (the output projection's input)"}
 
 
 def check_finite_pass(model, store: dict) -> None:

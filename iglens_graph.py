@@ -19,6 +19,11 @@ own ``b`` is kept as a check (``Graph.quadrature_defect``). A non-gated MLP with
 (``p = W1 z``) times the input map; ``act(b1)`` is a constant. Every constant (biases, LayerNorm's
 beta, ``y(0)``, the value bias through the pattern) is a leaf of its own: the constants.
 
+Precision (issue 45): a float32 model's graph runs its blocks and sweep in float32 on the model's own weights
+and recorded activations, ``a`` from a table checked against the 64-node rule
+(:func:`iglens_graph_blocks.path_table`); its identities hold to float32 rounding. ``dtype=torch.float64``
+gives the float64 graph above (and is the default for float64, bfloat16 and float16 models).
+
 The network is then affine in its residual states, identically at the actual input. The top credit
 is IG-Lens's sublayer terms at the predicting position t: block M's attention and MLP increments
 ``Delta(t)`` read against the path-averaged readout gradient ``gbar`` on their segment (as
@@ -50,205 +55,32 @@ readout pass among a sequence's tokens; :func:`iglens_tables.graph_frame` writes
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from iglens_core import (ESTIMATORS, Readout, check_foil, check_quantity, check_same_model, check_sequence,
-                         eager_attention, first_output, get_adapter, head_counts, hidden_arg, logits_at_end,
-                         plain_number, projection_weight, quadrature, sublayer_module, sublayer_norm,
-                         sublayer_projection)
+                         get_adapter, head_counts, plain_number, quadrature)
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
-from iglens_checks import (REBUILD_TOLERANCE, check_finite_pass, check_memory,  # noqa: F401 (public names here too)
+from iglens_checks import (REBUILD_TOLERANCE, check_memory,  # noqa: F401 (public names here too)
                            non_finite_error, non_finite_parameters, rebuild_tolerance)
+from iglens_graph_blocks import (PATH_CHECK, PATH_NODES, PATH_TIERS, TABLE_CHECK, LinearBlock,  # noqa: F401
+                                 block_parts, freeze_norm, path_coefficients, path_coefficients_tabulated,
+                                 path_table, record_pass)
 
-PATH_NODES = 64  # Gauss-Legendre nodes of the neuron path coefficients a(g)
-# Smaller rules tried first where |g| is small (the integrand t act'(t g) is then smooth on [0, 1]): (largest
-# |g|, nodes). Each is kept only where it agrees with the PATH_NODES rule to PATH_CHECK at its largest |g|.
-# SiLU and GELU-tanh: 8 nodes reach rounding (< 1e-15) up to |g| = 1, 12 up to 2, 16 up to 4, 24 up to 8,
-# 32 up to 16 (SiLU); half of SmolLM2's gates have |g| <= 0.52 and 96% <= 2: ~10 evaluations per entry, not 64.
-PATH_TIERS = ((1.0, 8), (2.0, 12), (4.0, 16), (8.0, 24), (16.0, 32))
-PATH_CHECK = 1e-15  # largest gap to the PATH_NODES rule, relative to max(1, |a|), for a smaller rule to be used
 # bytes the recorded patterns and, with edges=True, the edges may take, each (n, H, S, S) float64 (read at each call)
 GRAPH_MEMORY_BUDGET = 4 * 2**30
 GRAPH_COPY_BUDGET = 2 * 2**30  # bytes of float64 weight copies the graph keeps; above, each map casts its weight at use
-_RULES: dict = {}  # nodes -> Gauss-Legendre (t (m,), w (m,)) on [0, 1]
-
-
-def _derivative(act: Callable, x: torch.Tensor) -> torch.Tensor:
-    """Elementwise ``act'(x)`` by autograd (``act`` acts elementwise), same shape as ``x``."""
-    return _values_and_derivatives(act, x.detach().clone())[1]
-
-
-def _values_and_derivatives(act: Callable, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(act(x), act'(x))`` elementwise from one autograd pass; ``x`` a fresh tensor (it is marked)."""
-    with torch.enable_grad():
-        x.requires_grad_(True)
-        values = act(x)
-        (grad,) = torch.autograd.grad(values.sum(), x)
-    return values.detach(), grad.detach()
-
-
-def _rule(nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if nodes not in _RULES:
-        t, w = np.polynomial.legendre.leggauss(nodes)
-        _RULES[nodes] = torch.from_numpy((t + 1) / 2), torch.from_numpy(w / 2)
-    return _RULES[nodes]
-
-
-def _path_rule(act: Callable, flat: torch.Tensor, nodes: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m,) entries -> ``(a, b_rule)`` (m,) by the ``nodes``-point Gauss-Legendre rule."""
-    t, w = _rule(nodes)
-    a, b_rule = torch.empty_like(flat), torch.empty_like(flat)
-    step = max(1, chunk // nodes)
-    for start in range(0, len(flat), step):
-        values, slopes = _values_and_derivatives(act, flat[start:start + step, None] * t)  # (c, nodes) each
-        a[start:start + step], b_rule[start:start + step] = slopes @ (t * w), values @ w
-    return a, b_rule
-
-
-def path_coefficients(act: Callable, g: torch.Tensor, nodes: int = PATH_NODES, chunk: int = 2 ** 20,
-                      tiers: Sequence[tuple[float, int]] = PATH_TIERS) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """A gated neuron's path coefficients from 0, elementwise.
-
-    Args:
-        act: the elementwise activation; g: (...) gate pre-activations (cast to float64).
-        nodes: Gauss-Legendre nodes on [0, 1]; chunk: entries per batch of ``nodes`` evaluations.
-        tiers: ``(largest |g|, nodes)`` pairs, increasing: the entries with |g| up to that bound (not
-            taken by an earlier tier) use that smaller rule when it agrees with the ``nodes`` rule within
-            :data:`PATH_CHECK` at the tier's 16 largest and 16 most negative g (the rule's error grows with
-            |g|); otherwise they go on to the next tier. ``()``: the ``nodes`` rule everywhere.
-
-    Returns:
-        ``(a, b, defect)``: ``a = int_0^1 t act'(t g) dt`` by the rule, ``b = act(g) - g a`` (so that
-        ``g a + b = act(g)`` holds to rounding), and ``defect`` the largest gap between that ``b``
-        and the rule's own ``int_0^1 act(t g) dt``: the quadrature error.
-    """
-    g = torch.as_tensor(g).detach().double()
-    flat = g.reshape(-1)
-    a, b_rule = torch.empty_like(flat), torch.empty_like(flat)
-    left, size = torch.ones(len(flat), dtype=torch.bool), flat.abs()
-    for bound, tier_nodes in tiers:
-        tier = torch.nonzero(left & (size <= bound))[:, 0]
-        if tier_nodes >= nodes or not len(tier):
-            continue
-        values = flat[tier]
-        tier_a, tier_b = _path_rule(act, values, tier_nodes, chunk)
-        probe = torch.cat([values.topk(min(16, len(tier))).indices,
-                           (-values).topk(min(16, len(tier))).indices])  # where the rule is worst
-        check, _ = _path_rule(act, values[probe], nodes, chunk)
-        if bool(((tier_a[probe] - check).abs() <= PATH_CHECK * check.abs().clamp_min(1.0)).all()):
-            a[tier], b_rule[tier], left[tier] = tier_a, tier_b, False
-    rest = torch.nonzero(left)[:, 0]
-    if len(rest):
-        a[rest], b_rule[rest] = _path_rule(act, flat[rest], nodes, chunk)
-    b = act(flat) - flat * a
-    defect = float((b - b_rule).abs().max()) if len(flat) else 0.0
-    return a.view_as(g), b.view_as(g), defect
-
-
-@dataclass
-class _Norm:
-    """A norm at fixed denominator: ``y = scale * (x - mean(x) if centred else x) + beta``."""
-    scale: torch.Tensor  # (S, d)
-    beta: Optional[torch.Tensor]  # (d,) or None
-    centred: bool
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x - x.mean(-1, keepdim=True) if self.centred else x
-        return self.scale * x + (self.beta if self.beta is not None else 0.0)
-
-    def back(self, cot: torch.Tensor, rows=slice(None)) -> torch.Tensor:
-        """(S, d) the transpose of the linear part applied to a cotangent on the output (at ``rows``)."""
-        cot = self.scale[rows] * cot
-        return cot - cot.mean(-1, keepdim=True) if self.centred else cot
-
-
-def _freeze_norm(norm: nn.Module, x: torch.Tensor, recorded: torch.Tensor, where: str,
-                 tol: float = REBUILD_TOLERANCE) -> _Norm:
-    """The norm ``norm`` at its recorded input ``x`` (S, d) float64, as a :class:`_Norm`; checked
-    against its recorded output (relative gap up to ``tol``, :func:`rebuild_tolerance`)."""
-    name = type(norm).__name__
-    weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
-    weight = weight.detach().double().cpu() if isinstance(weight, torch.Tensor) else None
-    bias = bias.detach().double().cpu() if isinstance(bias, torch.Tensor) else None
-    if isinstance(norm, nn.LayerNorm):
-        sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)  # (S, 1)
-        gain = weight if weight is not None else torch.ones(x.shape[-1], dtype=torch.float64)
-        candidates = [_Norm(gain / sigma, bias, True)]
-    elif name.lower().endswith("layernorm") and weight is None and bias is None:  # OLMo: no weight, eps 1e-5
-        sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + float(getattr(norm, "eps", 1e-5)))
-        candidates = [_Norm(torch.ones(x.shape[-1], dtype=torch.float64) / sigma, None, True)]
-    elif "rmsnorm" in name.lower() and weight is not None and bias is None:
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        if not isinstance(eps, (int, float)):
-            raise ValueError(f"{where}: cannot read the epsilon of {name}")
-        rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))  # (S, 1)
-        candidates = [_Norm(weight / rms, None, False), _Norm((1.0 + weight) / rms, None, False)]
-    else:
-        raise ValueError(f"{where}: the norm {name} is neither a LayerNorm nor a weighted RMSNorm; "
-                         "the attribution graph does not support it")
-    gaps = [float((c.forward(x) - recorded).norm() / recorded.norm().clamp_min(1e-30)) for c in candidates]
-    best = int(np.argmin(gaps))
-    if not gaps[best] <= tol:  # NaN too
-        raise ValueError(f"{where}: the norm {name} at a fixed denominator does not reproduce its "
-                         f"output (relative gap {gaps[best]:.1e}, tolerance {tol:.0e}); unsupported norm"
-                         + ("; or, in this bfloat16 or float16 model, an overflow or its rounding: run it in "
-                            "float32 (model.float())" if tol > REBUILD_TOLERANCE else ""))
-    return candidates[best]
-
-
-def _weights(proj: nn.Module, keep: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(W (out, in), bias (out,) or None)``, the bias float64 on the CPU; the weight a float64 copy
-    there (``keep``) or the module's own tensor, cast where it is used (:func:`_f64`)."""
-    weight, bias = projection_weight(proj)
-    return (weight.double().cpu() if keep else weight.detach()), (bias.double().cpu() if bias is not None else None)
-
-
-def _f64(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` as float64 on the CPU: itself when it is one, else a copy made for this use."""
-    return weight if weight.dtype == torch.float64 and weight.device.type == "cpu" else weight.to("cpu", torch.float64)
-
-
-def _block_parts(block: nn.Module, layer: int) -> dict:
-    """The modules of one block the graph reads, or a ValueError naming what is missing."""
-    where = f"block {layer + 1} ({type(block).__name__})"
-    if getattr(block, "use_parallel_residual", False) or getattr(block, "parallel_attn", False):
-        raise ValueError(f"{where}: parallel attention and MLP are not supported by the attribution graph")
-    try:
-        attention, mlp = sublayer_module(block, "attn"), sublayer_module(block, "mlp")
-        out_proj, post_attn = sublayer_projection(block, "attn")
-        down_proj, post_mlp = sublayer_projection(block, "mlp")
-        norm1, norm2 = sublayer_norm(block, "attn"), sublayer_norm(block, "mlp")
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}; the attribution graph does not support it") from error
-    if isinstance(getattr(attention, "v_proj", None), nn.Module):
-        values = ("v_proj", attention.v_proj)
-    elif isinstance(getattr(attention, "c_attn", None), nn.Module):
-        values = ("c_attn", attention.c_attn)
-    elif isinstance(getattr(attention, "qkv_proj", None), nn.Module):  # Phi-3
-        values = ("qkv_proj", attention.qkv_proj)
-    else:
-        raise ValueError(f"{where}: cannot find the value projection of {type(attention).__name__} "
-                         "(looked for v_proj, c_attn, qkv_proj); the attribution graph does not support it")
-    gates = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "gate_up_proj")]
-    if all(isinstance(g, nn.Module) for g in gates[:2]) or isinstance(gates[2], nn.Module):
-        kind, act = "gated", getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
-        if any(getattr(g, "bias", None) is not None for g in gates):
-            raise ValueError(f"{where}: a gated MLP with gate or up biases is not supported")
-    elif isinstance(getattr(mlp, "c_fc", None), nn.Module):
-        kind, act = "plain", getattr(mlp, "act", None)
-    else:
-        raise ValueError(f"{where}: cannot read the MLP {type(mlp).__name__} (looked for gate_proj, "
-                         "up_proj (or gate_up_proj), down_proj or c_fc, c_proj); the attribution graph does not support it")
-    if act is None:
-        raise ValueError(f"{where}: cannot find the MLP's activation (act_fn or act)")
-    return dict(attention=attention, mlp=mlp, out_proj=out_proj, post_attn=post_attn, down_proj=down_proj,
-                post_mlp=post_mlp, norm1=norm1, norm2=norm2, values=values, kind=kind, act=act)
+_Block = LinearBlock  # the linearised block (iglens_graph_blocks)
+# The graph's default m (issue 45). Prediction-aware weights keep delta = f(h_n) - f(h_0) exact at any m; the
+# shares move with m. Measured against m = 16 on 12 facts of data/facts.csv (SmolLM2, relative L1 of the heads,
+# neurons, embeddings): m = 8 median 0.08-0.13%, max 0.37%; m = 4 median 0.18-0.57%, max 1.0%; m = 2 median
+# 0.8-2.3%, max 34%; m = 1 median 3.5-12%. 4 is the smallest m within 1% of m = 16 on every fact; the readout
+# costs about a quarter of m = 16's softmax work there.
+GRAPH_STEPS = 4
 
 
 class Node(NamedTuple):
@@ -429,8 +261,8 @@ class Graph:
                     back[node.position, node.index] = cotangents[start][1][node.position, node.index]
                     cot, const = block.attn_to_input(back)
             else:  # the logit: the top terms' own gradients at t seed every block's increments
-                seeds = torch.zeros(n, 2, *h0.shape, dtype=torch.float64)  # (n, 2, S, d)
-                seeds[:, :, self.position] = self.gbar
+                seeds = torch.zeros(n, 2, *h0.shape, dtype=h0.dtype)  # (n, 2, S, d)
+                seeds[:, :, self.position] = self.gbar.to(h0.dtype)
             for below in reversed(range(start)):
                 block = blocks[below]
                 c_m, k = block.mlp_from_output(cot + seeds[below, 1] if top else cot)
@@ -518,81 +350,6 @@ class Graph:
         return out
 
 
-def _record(model, adapter, parts: list[dict], input_ids: torch.Tensor) -> dict:
-    """One eager forward pass; every block's input, patterns, norm inputs and outputs, and
-    output, at all positions, float64 on the CPU."""
-    store: dict = {}
-
-    def keep(key, tensor):
-        store[key] = tensor.detach()[0].double().cpu()
-
-    def keep_pattern(layer):
-        def hook(module, args, output):
-            probs = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
-            if not isinstance(probs, torch.Tensor):
-                raise ValueError(f"the attention of block {layer + 1} ({type(module).__name__}) returned no "
-                                 "attention probabilities in eager mode; the attribution graph needs them")
-            keep(("pattern", layer), probs)
-        return hook
-
-    def keep_norm(key):
-        def hook(module, args, output):
-            keep((key, "in"), args[0])
-            keep((key, "out"), first_output(output))
-        return hook
-
-    with ExitStack() as stack:
-        for layer, (block, part) in enumerate(zip(adapter.blocks, parts)):
-            hooks = [block.register_forward_pre_hook(
-                         lambda mod, args, kwargs, layer=layer: keep(("h", layer), hidden_arg(args, kwargs)),
-                         with_kwargs=True),
-                     block.register_forward_hook(
-                         lambda mod, args, out, layer=layer: keep(("h", layer + 1), first_output(out))),
-                     part["attention"].register_forward_hook(keep_pattern(layer))]
-            for name in ("norm1", "norm2", "post_attn", "post_mlp"):
-                if part[name] is not None:
-                    hooks.append(part[name].register_forward_hook(keep_norm((name, layer))))
-            for hook in hooks:
-                stack.callback(hook.remove)
-        stack.enter_context(eager_attention(model))
-        stack.enter_context(_float64_softmax(next(model.parameters()).dtype == torch.float64))
-        with torch.no_grad():
-            logits = logits_at_end(model, 1, input_ids=input_ids.to(next(model.parameters()).device))
-    check_finite_pass(model, store)
-    if not bool(torch.isfinite(logits).all()):
-        raise non_finite_error(model, "in the logits (the final norm and the head)")
-    return store
-
-
-@contextmanager
-def _float64_softmax(enabled: bool):
-    """While ``enabled``: ``torch.nn.functional.softmax(x, dtype=torch.float32)`` on a float64 ``x``
-    stays in float64. Eager attention (Llama, Qwen, Gemma) computes its softmax in float32 whatever
-    the dtype: a float64 model's patterns then round at 1e-8 and its states miss the sdpa pass's by
-    1e-10 in probability (measured on a sharpened tiny Llama)."""
-    if not enabled:
-        yield
-        return
-    original = torch.nn.functional.softmax
-
-    def softmax(input, dim=None, _stacklevel=3, dtype=None):
-        if dtype == torch.float32 and isinstance(input, torch.Tensor) and input.dtype == torch.float64:
-            dtype = None
-        return original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
-
-    torch.nn.functional.softmax = softmax
-    try:
-        yield
-    finally:
-        torch.nn.functional.softmax = original
-
-
-def _gap(rebuilt: torch.Tensor, recorded: torch.Tensor) -> float:
-    return float((rebuilt - recorded).norm() / recorded.norm().clamp_min(1e-30))
-
-
-
-
 
 def _check_int(name: str, value, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
@@ -600,107 +357,10 @@ def _check_int(name: str, value, low: int, high: int) -> int:
     return int(value)
 
 
-class _Block:
-    """One block linearised at the recorded pass: patterns and norm denominators fixed, the MLP by its
-    path integral from 0. Holds what the sweep reads (S positions, float64) and its four backward maps,
-    each returning the credit of the constants it passes."""
-
-    def __init__(self, part: dict, store: dict, layer: int, H: int, H_kv: int, path: bool = True, keep: bool = True,
-                 tol: float = REBUILD_TOLERANCE):
-        where = f"block {layer + 1}"  # path=False: a gated MLP's a, b are left to the caller (DPA)
-        # tol: the norms' rebuild tolerance (:func:`rebuild_tolerance`)
-        # keep=False: the weights stay the model's tensors, cast to float64 at each use (a 1.5B model's
-        # float64 copies of every block would take ~10 GB); the numbers are the same
-        x, mid, out = store[("h", layer)], store[("norm2", layer), "in"], store[("h", layer + 1)]  # (S, d)
-        S, d = x.shape
-        # ---- the MLP, frozen at its recorded input
-        self.norm2 = _freeze_norm(part["norm2"], mid, store[("norm2", layer), "out"], where + " pre-MLP norm", tol)
-        z = self.norm2.forward(mid)  # (S, d)
-        self.W_down, self.b_down = _weights(part["down_proj"], keep)  # (d, d_ff), (d,)
-        act, self.kind, self.defect = part["act"], part["kind"], 0.0
-        if self.kind == "gated":
-            if isinstance(getattr(part["mlp"], "gate_up_proj", None), nn.Module):  # Phi-3: gate, then up
-                self.W_g, self.W_u = _weights(part["mlp"].gate_up_proj, keep)[0].chunk(2, 0)  # (d_ff, d) each
-            else:
-                self.W_g, self.W_u = _weights(part["mlp"].gate_proj, keep)[0], _weights(part["mlp"].up_proj, keep)[0]
-            self.g, self.u = z @ _f64(self.W_g).T, z @ _f64(self.W_u).T  # (S, d_ff) gate and up pre-activations
-            self.a, self.b, self.defect = path_coefficients(act, self.g) if path else (None, None, 0.0)
-            self.m = act(self.g) * self.u  # (S, d_ff) neuron outputs
-        else:
-            self.W_1, b_1 = _weights(part["mlp"].c_fc, keep)  # (d_ff, d), (d_ff,)
-            b_1 = b_1 if b_1 is not None else torch.zeros(self.W_1.shape[0], dtype=torch.float64)
-            p = z @ _f64(self.W_1).T  # (S, d_ff)
-            self.m, self.m_const = act(p + b_1), act(b_1).expand_as(p)
-            self.slope = torch.where(p != 0, (self.m - self.m_const) / torch.where(p != 0, p, 1.0),
-                                     _derivative(act, b_1).expand_as(p))  # (S, d_ff)
-        y = self.m @ _f64(self.W_down).T + (self.b_down if self.b_down is not None else 0.0)  # (S, d)
-        self.post2 = (_freeze_norm(part["post_mlp"], y, store[("post_mlp", layer), "out"], where + " post-MLP norm",
-                                   tol) if part["post_mlp"] is not None else None)
-        self.rebuild = _gap(mid + (self.post2.forward(y) if self.post2 is not None else y), out)
-        # ---- the attention, patterns and denominators fixed
-        self.norm1 = _freeze_norm(part["norm1"], x, store[("norm1", layer), "out"], where + " input norm", tol)
-        name, module = part["values"]
-        W_v, b_v = _weights(module, keep)
-        if name == "c_attn":  # GPT-2: queries, keys, values stacked
-            W_v, b_v = W_v[2 * d:], (b_v[2 * d:] if b_v is not None else None)
-        elif name == "qkv_proj":  # Phi-3: H query heads, H_kv key heads, H_kv value heads
-            cut = W_v.shape[0] * (H + H_kv) // (H + 2 * H_kv)
-            W_v, b_v = W_v[cut:], (b_v[cut:] if b_v is not None else None)
-        self.W_v, self.b_v, self.kv = W_v, b_v, (H if name == "c_attn" else H_kv)
-        v = self.norm1.forward(x) @ _f64(W_v).T + (b_v if b_v is not None else 0.0)  # (S, H_kv * hd)
-        self.group = torch.arange(H) // (H // self.kv)
-        self.v_heads = v.view(S, self.kv, -1)[:, self.group]  # (S, H, hd)
-        self.A = store[("pattern", layer)]  # (H, S, S) query, key
-        if self.A.shape != (H, S, S):
-            raise ValueError(f"{where}: attention pattern of shape {tuple(self.A.shape)}, expected {(H, S, S)}")
-        self.zh = torch.einsum("hqk,khd->qhd", self.A, self.v_heads)  # (S, H, hd)
-        self.W_o, self.b_o = _weights(part["out_proj"], keep)  # (d, H * hd)
-        o = self.zh.reshape(S, -1) @ _f64(self.W_o).T + (self.b_o if self.b_o is not None else 0.0)  # (S, d)
-        self.post1 = (_freeze_norm(part["post_attn"], o, store[("post_attn", layer), "out"],
-                                   where + " post-attention norm", tol) if part["post_attn"] is not None else None)
-        self.rebuild = max(self.rebuild, _gap(x + (self.post1.forward(o) if self.post1 is not None else o), mid))
-
-    def mlp_from_output(self, c_y: torch.Tensor, rows=slice(None)) -> tuple[torch.Tensor, float]:
-        """Cotangent (S, d) on the MLP increment (or on its ``rows``) -> (S, d_ff) on each neuron's output;
-        the down bias's credit."""
-        c_u = self.post2.back(c_y, rows) if self.post2 is not None else c_y  # (S, d)
-        return c_u @ _f64(self.W_down), (float((c_u * self.b_down).sum()) if self.b_down is not None else 0.0)
-
-    def mlp_to_input(self, c_m: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(S, d_ff) on the neurons' outputs -> (S, d) on ``mid``; the MLP's constants' credit."""
-        if self.kind == "gated":
-            c_z, const = (c_m * self.u * self.a) @ _f64(self.W_g) + (c_m * self.b) @ _f64(self.W_u), 0.0  # (S, d)
-        else:
-            c_z, const = (c_m * self.slope) @ _f64(self.W_1), float((c_m * self.m_const).sum())
-        if self.norm2.beta is not None:
-            const += float((c_z * self.norm2.beta).sum())
-        return self.norm2.back(c_z), const
-
-    def attn_from_output(self, c_y: torch.Tensor, rows=slice(None)) -> tuple[torch.Tensor, float]:
-        """(S, d) on the attention increment (or on its ``rows``) -> (S, H, hd) on each head's output; the
-        output bias's credit."""
-        c_o = self.post1.back(c_y, rows) if self.post1 is not None else c_y  # (S, d)
-        back = (c_o @ _f64(self.W_o)).view(c_o.shape[0], self.zh.shape[1], -1)  # (S, H, hd)
-        return back, (float((c_o * self.b_o).sum()) if self.b_o is not None else 0.0)
-
-    def attn_to_input(self, back: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(S, H, hd) on the heads' outputs -> (S, d) on the block input, through the fixed pattern and
-        the values; the value bias's and the input norm's constants' credit."""
-        c_vh = torch.einsum("hqk,qhd->khd", self.A, back)  # (S, H, hd) on each head's values
-        S = c_vh.shape[0]
-        c_v = torch.zeros(S, self.kv, c_vh.shape[-1], dtype=torch.float64).index_add_(1, self.group, c_vh)
-        c_v = c_v.reshape(S, -1)  # (S, H_kv * hd)
-        const = float((c_v * self.b_v).sum()) if self.b_v is not None else 0.0
-        c_x1 = c_v @ _f64(self.W_v)  # (S, d)
-        if self.norm1.beta is not None:
-            const += float((c_x1 * self.norm1.beta).sum())
-        return self.norm1.back(c_x1), const
-
-
 @torch.no_grad()
 def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, estimator: str = "prediction_aware",
-                      steps: int = 16, quantity: str = "prob", foil=None, readout: Optional[Readout] = None,
-                      edges: bool = True, maps: bool = False) -> Graph:
+                      steps: int = GRAPH_STEPS, quantity: str = "prob", foil=None, readout: Optional[Readout] = None,
+                      edges: bool = True, maps: bool = False, dtype=None, check: Optional[bool] = None) -> Graph:
     """The exact attribution graph of answer token ``token`` (see the module docstring).
 
     Args:
@@ -708,17 +368,27 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
         input_ids: (1, S) or (S,); prompt_len: first answer position, in ``1..S-1``.
         token: answer token index in ``0..S-prompt_len-1``; its predicting position is
             ``t = prompt_len - 1 + token``.
-        estimator, steps: IG-Lens's gradient estimator for the top terms (as ``components``);
+        estimator, steps: IG-Lens's gradient estimator for the top terms (as ``components``; ``steps``
+            :data:`GRAPH_STEPS` = 4 by default, within 1% of m = 16's shares, see there);
             ``"prediction_aware"`` makes ``delta`` equal ``f(h_n) - f(h_0)`` exactly.
         quantity, foil, readout: as ``ig_lens`` (foil: one id or one per answer token).
         edges: also return the (n, H, S, S) edges (float64; skip them for long sequences: with the
             recorded patterns, of the same size, they must fit :data:`GRAPH_MEMORY_BUDGET`).
-        maps: keep every block's linearised maps (float64 copies of its weights) on the graph, for
+        maps: keep every block's linearised maps (copies of its weights in ``dtype``) on the graph, for
             :meth:`Graph.adjacency`.
+        dtype: the working precision of the linearised blocks and the sweep: ``torch.float64`` (or
+            ``"float64"``), ``torch.float32`` (``"float32"``), or None: float32 for a float32 model, float64
+            otherwise. The top terms, ``delta`` and the graph's fields are float64 either way.
+        check: rebuild every block's gate, up, value and head activations from the weights and check the
+            block against the recorded states (``Graph.rebuild``); False reuses the activations the recorded
+            pass kept (``Graph.rebuild`` NaN: not measured). None: True in float64, False in float32.
 
-    Precision: float64 from the model's own recorded activations, for a bfloat16 or float16 model too;
+    Precision: in float64, from the model's own recorded activations, for a bfloat16 or float16 model too;
     its states are rounded to its dtype, so the rebuild checks allow :func:`rebuild_tolerance` and the
-    identities hold to that rounding.
+    identities hold to that rounding. In float32 (a float32 model's default) the blocks use the model's own
+    weights (no copies) and activations, ``a(g)`` comes from a table (:func:`iglens_graph_blocks.path_table`,
+    within float32's half-ulp of the 64-node rule), and the identities hold to float32 rounding: each
+    within about ``eps_32 * sqrt(K)`` times the scale of the summed shares (K the length of the sums).
 
     Returns:
         :class:`Graph`.
@@ -733,7 +403,21 @@ def attribution_graph(model, input_ids, prompt_len: int, *, token: int = 0, esti
     input_ids = check_sequence(model, input_ids, prompt_len)
     token = _check_int("token", token, 0, input_ids.shape[1] - prompt_len - 1)
     return next(attribution_graphs(model, input_ids, prompt_len, tokens=[token], estimator=estimator, steps=steps,
-                                   quantity=quantity, foil=foil, readout=readout, edges=edges, maps=maps))
+                                   quantity=quantity, foil=foil, readout=readout, edges=edges, maps=maps,
+                                   dtype=dtype, check=check))
+
+
+def _check_dtype(model, dtype) -> torch.dtype:
+    """The graph's working dtype: ``dtype`` (torch.float32 or torch.float64, or their names), or for None
+    float32 for a float32 model and float64 otherwise; a ValueError naming the valid values."""
+    named = {"float32": torch.float32, "float64": torch.float64, torch.float32: torch.float32,
+             torch.float64: torch.float64}
+    if dtype is None:
+        return torch.float32 if next(model.parameters()).dtype == torch.float32 else torch.float64
+    if isinstance(dtype, (str, torch.dtype)) and dtype in named:
+        return named[dtype]
+    raise ValueError(f"dtype must be None (float32 for a float32 model, else float64), torch.float32, torch.float64, "
+                     f"'float32' or 'float64', got {dtype!r}")
 
 
 def _check_model_mode(model) -> None:
@@ -743,9 +427,9 @@ def _check_model_mode(model) -> None:
 
 @torch.no_grad()
 def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Sequence[int]] = None,
-                       estimator: str = "prediction_aware", steps: int = 16, quantity: str = "prob", foil=None,
+                       estimator: str = "prediction_aware", steps: int = GRAPH_STEPS, quantity: str = "prob", foil=None,
                        readout: Optional[Readout] = None, edges: bool = False,
-                       maps: bool = False) -> Iterator[Graph]:
+                       maps: bool = False, dtype=None, check: Optional[bool] = None) -> Iterator[Graph]:
     """:func:`attribution_graph` of several answer tokens of one sequence, sharing the work that does
     not depend on the token: one recorded pass, the linearised blocks, one readout pass for every
     token's segment gradients. Each graph equals :func:`attribution_graph`'s of its token (up to the
@@ -779,6 +463,10 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     for name, flag in (("edges", edges), ("maps", maps)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
+    work = _check_dtype(model, dtype)
+    if check is not None and not isinstance(check, bool):
+        raise ValueError(f"check must be None, True or False, got {check!r}")
+    check = work == torch.float64 if check is None else check
     check_same_model(model, readout=readout)
     readout = readout or Readout(model)
     adapter = get_adapter(model)
@@ -787,8 +475,8 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     foils = check_foil(foil, targets, readout.vocab_size)
     H, H_kv = head_counts(model)
     check_memory(n, H, S, edges, GRAPH_MEMORY_BUDGET)
-    parts = [_block_parts(block, layer) for layer, block in enumerate(adapter.blocks)]
-    store = _record(model, adapter, parts, input_ids)
+    parts = [block_parts(block, layer) for layer, block in enumerate(adapter.blocks)]
+    store = record_pass(model, adapter, parts, input_ids, work, inner=not check, head=False)
     at = torch.tensor([prompt_len - 1 + token for token in tokens])  # (T',) predicting positions
     used = int(at.max()) + 1  # later positions carry nothing to them: the blocks are linearised without them
     store = {key: value[:, :used, :used] if key[0] == "pattern" else value[:used] for key, value in store.items()}
@@ -803,19 +491,25 @@ def attribution_graphs(model, input_ids, prompt_len: int, *, tokens: Optional[Se
     else:
         alphas, weights = quadrature(estimator, steps)
     picked = torch.tensor(tokens)
-    gbars, lenses = readout.along_segments(nodes, targets[picked], alphas, weights=weights,
-                                           foils=None if foils is None else foils[picked],
-                                           quantity=quantity)  # (2n, T', d), (2n+1, T')
+    where = "in the logits (the final norm and the head, reading out the recorded states)"
+    try:  # the recorded pass stopped at the final norm: the head is first read here
+        gbars, lenses = readout.along_segments(nodes, targets[picked], alphas, weights=weights,
+                                               foils=None if foils is None else foils[picked],
+                                               quantity=quantity)  # (2n, T', d), (2n+1, T')
+    except RuntimeError as error:  # the readout's first check of its form, on non-finite logits
+        if non_finite_parameters(model):
+            raise non_finite_error(model, where) from error
+        raise
     gbars, lenses = gbars.double().cpu(), lenses.double().cpu()
     if not bool(torch.isfinite(gbars).all() and torch.isfinite(lenses).all()):
-        raise non_finite_error(model, "in the readout of the recorded states (the final norm and the head)")
+        raise non_finite_error(model, where)
 
-    copies = 8 * sum(p.numel() for block in adapter.blocks for p in block.parameters() if p.dtype != torch.float64)
-    keep = maps or copies <= GRAPH_COPY_BUDGET  # float64 copies of every block's weights, or a cast at each use
+    copies = work.itemsize * sum(p.numel() for block in adapter.blocks for p in block.parameters() if p.dtype != work)
+    keep = maps or copies <= GRAPH_COPY_BUDGET  # copies of every block's weights in `work`, or a cast at each use
     tol = rebuild_tolerance(model)
-    blocks = [_Block(parts[layer], store, layer, H, H_kv, keep=keep, tol=tol) for layer in range(n)]
-    rebuild = max(block.rebuild for block in blocks)
-    if not rebuild <= tol:  # NaN too
+    blocks = [_Block(parts[layer], store, layer, H, H_kv, keep=keep, tol=tol, check=check) for layer in range(n)]
+    rebuild = max(block.rebuild for block in blocks) if check else float("nan")
+    if check and not rebuild <= tol:  # NaN too
         raise ValueError(f"the linearised blocks do not rebuild the recorded states (relative gap {rebuild:.1e}, "
                          f"tolerance {tol:.0e}): this architecture computes its blocks otherwise than the graph "
                          "assumes")
@@ -838,35 +532,37 @@ def _sweep(shared: dict, token: int, t: int, target: int, foil: Optional[int], g
     backward sweep over the blocks linearised once for the sequence (``shared``)."""
     blocks, h, mid, H, S = shared["blocks"], shared["h"], shared["mid"], shared["H"], shared["S"]
     n, used = len(blocks), h[0].shape[0]  # the blocks hold positions 0..used-1; the rest carry 0
-    attn_terms = torch.stack([(mid[l][t] - h[l][t]) @ gbar[l, 0] for l in range(n)])  # (n,)
-    mlp_terms = torch.stack([(h[l + 1][t] - mid[l][t]) @ gbar[l, 1] for l in range(n)])  # (n,)
+    work = h[0].dtype  # the blocks' dtype; the top terms in float64
+    attn_terms = torch.stack([(mid[l][t].double() - h[l][t].double()) @ gbar[l, 0] for l in range(n)])  # (n,)
+    mlp_terms = torch.stack([(h[l + 1][t].double() - mid[l][t].double()) @ gbar[l, 1] for l in range(n)])  # (n,)
     delta = float((attn_terms + mlp_terms).sum())
     delta_p = float(lens[-1] - lens[0])
     readable = torch.cat([torch.zeros(1, dtype=torch.float64), (attn_terms + mlp_terms).cumsum(0)])  # (n+1,)
-    carried = torch.zeros(n + 1, S, dtype=torch.float64)
+    carried = torch.zeros(n + 1, S, dtype=work)
     constants = torch.zeros(n, 2, dtype=torch.float64)
-    heads_out = torch.zeros(n, H, S, dtype=torch.float64)
-    heads_direct = torch.zeros(n, H, dtype=torch.float64)
-    edges_out = torch.zeros(n, H, S, S, dtype=torch.float64) if shared["edges"] else None
-    neurons_out = torch.zeros(n, S, blocks[0].m.shape[-1], dtype=torch.float64)
+    heads_out = torch.zeros(n, H, S, dtype=work)
+    heads_direct = torch.zeros(n, H, dtype=work)
+    edges_out = torch.zeros(n, H, S, S, dtype=work) if shared["edges"] else None
+    neurons_out = torch.zeros(n, S, blocks[0].m.shape[-1], dtype=work)
+    gbar_work = gbar.to(work)
     neurons_direct = [None] * n
     cotangents = []  # per block: (neuron cotangents (S, d_ff), head cotangents (S, H, hd))
     cot = torch.zeros_like(h[0])  # (S, d) cotangent on h_n: nothing reads it but the top terms
     for layer in reversed(range(n)):
         block = blocks[layer]
         seed = torch.zeros_like(cot)
-        seed[t] = gbar[layer, 1]
-        c_m, const_out = block.mlp_from_output(cot + seed)  # (S, d_ff)
+        seed[t] = gbar_work[layer, 1]
+        c_m, const_out, direct = block.mlp_from_output(cot + seed, direct=(t, seed[t]))  # (S, d_ff), .., (d_ff,)
         neurons_out[layer, :used] = c_m * block.m
-        neurons_direct[layer] = block.mlp_from_output(seed[t:t + 1], slice(t, t + 1))[0][0] * block.m[t]
+        neurons_direct[layer] = direct * block.m[t]
         c_mid, const_in = block.mlp_to_input(c_m)
         constants[layer, 1] = const_out + const_in
         cot_mid = cot + c_mid  # (S, d)
         seed = torch.zeros_like(cot)
-        seed[t] = gbar[layer, 0]
-        back, const_out = block.attn_from_output(cot_mid + seed)  # (S, H, hd)
+        seed[t] = gbar_work[layer, 0]
+        back, const_out, direct = block.attn_from_output(cot_mid + seed, direct=(t, seed[t]))  # (S, H, hd), .., (H, hd)
         heads_out[layer, :, :used] = (block.zh * back).sum(-1).T
-        heads_direct[layer] = (block.zh[t] * block.attn_from_output(seed[t:t + 1], slice(t, t + 1))[0][0]).sum(-1)
+        heads_direct[layer] = (block.zh[t] * direct).sum(-1)
         if edges_out is not None:
             edges_out[layer, :, :used, :used] = block.A * torch.einsum("qhd,khd->hqk", back, block.v_heads)
         c_x, const_in = block.attn_to_input(back)
@@ -876,15 +572,14 @@ def _sweep(shared: dict, token: int, t: int, target: int, foil: Optional[int], g
         carried[layer, :used] = (cot * h[layer]).sum(-1)
     above = constants.sum(1).flip(0).cumsum(0).flip(0)  # (n,) constants of blocks >= L+1
     constants_above = torch.cat([above, torch.zeros(1, dtype=torch.float64)])  # (n+1,)
+    carried, heads_out, neurons_out = carried.double(), heads_out.double(), neurons_out.double()
     graph = Graph(token, t, target, foil, shared["quantity"], shared["estimator"], shared["steps"],
                   shared["input_ids"], delta, delta_p, abs(delta - delta_p), attn_terms, mlp_terms,
                   readable, carried, constants, constants_above, float(constants.sum()), carried[0].clone(),
-                  heads_out, heads_direct, neurons_out, torch.stack(neurons_direct),
-                  edges_out, shared["rebuild"], max(block.defect for block in blocks), gbar)
+                  heads_out, heads_direct.double(), neurons_out, torch.stack(neurons_direct).double(),
+                  None if edges_out is None else edges_out.double(), shared["rebuild"],
+                  max(block.defect for block in blocks), gbar)
     if shared["maps"]:
         graph._maps = (blocks, cotangents[::-1], h[0])
     return graph
 
-
-# public names of the frozen pass, for the methods that reuse it (iglens_dpa.dpa_attribution)
-LinearBlock, block_parts, record_pass, freeze_norm = _Block, _block_parts, _record, _freeze_norm
