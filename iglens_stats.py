@@ -544,3 +544,32 @@ def state_map_scores(state_map, restoration, subject: int, *, level: float = 0.5
                 within2=float(distance <= 2) if distance == distance else nan,
                 spearman_positions=float(spearman_rows(per_position[:1], per_position[1:])[0]),
                 spearman_grid=float(spearman_rows(cells[:1], cells[1:])[0]))
+
+
+PATCHING_METRICS = ("patching_spearman", "patching_half_distance", "patching_within2")
+
+
+def patching_curve_scores(state_map, restoration, *, level: float = 0.5) -> dict:
+    """One item: a (node, position) map's column at the predicting position against activation patching's
+    restoration curve there, node for node (notebook 05's question, asked of a state map).
+
+    Restoring ``h_L`` at the predicting position in the corrupted run is both activation patching's node
+    ``L`` (:func:`iglens_causal.activation_patching`) and the trace's cell (last position, ``L``), so the
+    curve is the trace grid's last row. Over nodes ``0..n-1`` (node ``n`` restores the final state, 1 by
+    construction): ``patching_spearman``, Spearman with ties of the map's column against the curve;
+    ``patching_half_distance``, |the first node where the map's column reaches ``level`` - the first
+    node where the curve does| (:func:`restoration_half`; the map read in the trace's units, a share of
+    the difference), and ``patching_within2`` (distance <= 2).
+
+    Args:
+        state_map: (n+1, S) the map, the predicting position last; restoration: (S, n+1) the trace grid.
+    """
+    values = np.asarray(torch.as_tensor(state_map, dtype=torch.float64))
+    r = np.asarray(torch.as_tensor(restoration, dtype=torch.float64))
+    if values.ndim != 2 or r.shape != values.T.shape or values.shape[0] < 3:
+        raise ValueError(f"state_map must be (n+1, S) with n >= 2 and restoration (S, n+1), got {values.shape} and {r.shape}")
+    column, curve = values[:, -1], r[-1]  # (n+1,) each
+    n = len(column) - 1
+    distance = float(abs(int(restoration_half(column[None], level)[0]) - int(restoration_half(curve[None], level)[0])))
+    return dict(patching_spearman=float(spearman_rows(column[None, :n], curve[None, :n])[0]),
+                patching_half_distance=distance, patching_within2=float(distance <= 2))

@@ -260,3 +260,24 @@ def test_graph_figure_draws_every_node_and_link():
     plt.close(fig)
     with pytest.raises(ValueError, match="at least one node"):
         igp.plot_graph([], links, ["a"], 3)
+
+
+def test_patching_curve_scores_against_a_hand_count():
+    """The map's column at the predicting position against the trace's last row, counted by hand: scipy's
+    Spearman on untied values, and the first node reaching half read off directly."""
+    from scipy.stats import spearmanr
+    rng = np.random.default_rng(3)
+    n, S = 9, 6
+    restoration = rng.random((S, n + 1))
+    restoration[-1] = np.r_[np.sort(rng.random(n)) * 0.9, 1.0]  # a rising patching curve
+    state_map = rng.random((n + 1, S))
+    state_map[:, -1] = np.r_[rng.permutation(np.linspace(0.05, 0.95, n)), 1.0]
+    got = igs.patching_curve_scores(state_map, restoration)
+    assert got["patching_spearman"] == pytest.approx(spearmanr(state_map[:n, -1], restoration[-1, :n]).statistic, abs=1e-12)
+    first = lambda row: next(L for L, v in enumerate(row) if v >= 0.5)
+    assert got["patching_half_distance"] == abs(first(state_map[:, -1]) - first(restoration[-1]))
+    assert got["patching_within2"] == float(got["patching_half_distance"] <= 2)
+    same = igs.patching_curve_scores(restoration.T, restoration)
+    assert same["patching_spearman"] == pytest.approx(1.0) and same["patching_half_distance"] == 0.0
+    with pytest.raises(ValueError, match="state_map"):
+        igs.patching_curve_scores(state_map[:, :-1], restoration)
