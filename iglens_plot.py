@@ -758,6 +758,8 @@ def plot_paired_scores(per_item, *, metric: str, method: str, against: str, pane
     for ax, name in zip(axes[0], panels):
         wide = per_item[per_item[panel] == name].pivot_table(index="id", columns="method", values=metric)
         x, y = wide[against].to_numpy(), wide[method].to_numpy()
+        both = np.isfinite(x) & np.isfinite(y)  # a score is NaN where a map is all ties
+        x, y = x[both], y[both]
         above = int(np.sum(y > x))
         ax.plot([low, high], [low, high], color="grey", lw=1, ls=":")
         ax.scatter(x, y, s=14, alpha=0.7, color="C3")

@@ -281,3 +281,17 @@ def test_patching_curve_scores_against_a_hand_count():
     assert same["patching_spearman"] == pytest.approx(1.0) and same["patching_half_distance"] == 0.0
     with pytest.raises(ValueError, match="state_map"):
         igs.patching_curve_scores(state_map[:, :-1], restoration)
+
+
+def test_plot_paired_scores_counts_only_scored_pairs():
+    """One panel per readout; the title counts the facts above the diagonal among those both maps scored
+    (a NaN score, a map all ties, is left out), against a count by hand."""
+    import pandas as pd
+    rows = [dict(id=i, readout=r, method=m, spearman_grid=v) for i, r, m, v in [
+        (0, "p", "graph", 0.9), (0, "p", "AtP", 0.5), (1, "p", "graph", 0.2), (1, "p", "AtP", np.nan),
+        (0, "log p", "graph", 0.1), (0, "log p", "AtP", 0.4), (1, "log p", "graph", 0.8), (1, "log p", "AtP", 0.7)]]
+    fig = igp.plot_paired_scores(pd.DataFrame(rows), metric="spearman_grid", method="graph", against="AtP",
+                                 panel="readout", title="t")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["p: above the diagonal 1 of 1", "log p: above the diagonal 1 of 2"]
+    assert [len(ax.collections[0].get_offsets()) for ax in fig.axes] == [1, 2]
