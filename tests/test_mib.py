@@ -343,6 +343,26 @@ def test_protocol_end_to_end(tokenizer):
     assert mib.edge_scores(model, items, "random").scores.shape == eap.scores.shape and eap.seconds_per_item > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_one_gemm_mixer_equals_the_blend(arch):
+    """Without a post-attention norm the patched forward mixes with one GEMM over the senders' differences;
+    with weights that need gradients it takes the per-block blend: the two agree on a fractional circuit."""
+    model, graph, layers = setup(arch)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # GPT-2's biases start at 0: give them values, so that the output bias counts
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    layers = mib.model_layers(model)
+    clean, corrupted = pair(seed=4)
+    acts, _ = mib.record_acts(model, graph, layers, corrupted)
+    weights = (torch.rand(graph.n_forward, graph.n_backward, generator=gen) * graph.real).double()
+    weights[:, :graph.n_backward // 2] *= torch.rand(graph.n_forward, 1, generator=gen).double() < 0.1  # sparse rows
+    fast = mib.patched_logits(model, graph, layers, clean, weights, acts)
+    slow = mib.patched_logits(model, graph, layers, clean, weights.clone().requires_grad_(True), acts)
+    assert torch.allclose(fast, slow, atol=ATOL) and not torch.allclose(fast, mib.record_acts(model, graph, layers, clean)[1])
+
+
 # ---- a long run in records (notebook 12) ----
 
 def test_run_in_records_matches_one_pass(tokenizer, tmp_path):
