@@ -16,6 +16,7 @@ Imports :mod:`iglens_core` through public names only and holds, in reading order
    (eap.evaluate.evaluate_graph). ``Evaluation`` and ``faithfulness_curve``: f(C) = (m(C) - m(empty)) /
    (m(full) - m(empty)) on means over items, at MIB's percentages; ``cpr_cmd`` integrates them.
 4. Methods (``edge_scores``): ``EAP``, ``EAP-IG-inputs``, ``EAP-IG-activations`` (eap.attribute), ``random``.
+5. A long run in length batches, each a record (``score_table``, ``curve_circuits``, ``metric_table``).
 
 Shapes: B items (one length per batch), S positions, d model width, H attention heads (GQA is
 ungrouped as MIB does: every query head has its own key and value input), R receivers of one group.
@@ -41,9 +42,7 @@ PERCENTAGES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB
 IG_STEPS = 5  # MIB's run_attribution.py --ig-steps default
 METHODS = ("EAP", "EAP-IG-inputs", "EAP-IG-activations", "random")
 
-# ---------------------------------------------------------------------------
-# 1. IOI from templates
-# ---------------------------------------------------------------------------
+# ---- 1. IOI from templates ----
 
 IOI_NAMES = ("Mary", "John", "Alice", "Bob", "Tom", "James", "David", "Michael", "Sarah", "Emma", "Daniel",
              "Paul", "Mark", "Peter", "Anna", "Laura", "Kevin", "Brian", "Jessica", "Lisa", "Steven", "Eric",
@@ -143,8 +142,8 @@ def ioi_items(tokenizer, n: int, *, seed: int = 0, bos: bool = True) -> list[IOI
     return items
 
 
-def _batches(items: Sequence[IOIItem], batch_size: int) -> list[list[int]]:
-    """Indices of ``items`` grouped by token length, in chunks of at most ``batch_size``."""
+def length_batches(items: Sequence[IOIItem], batch_size: int) -> list[list[int]]:
+    """Indices of ``items`` grouped by token length, in chunks of at most ``batch_size`` (a run's records)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     by_length: dict[int, list[int]] = {}
@@ -177,7 +176,7 @@ def _plain_logits(model, ids: torch.Tensor) -> torch.Tensor:
 def logit_diffs(model, items: Sequence[IOIItem], *, corrupted: bool = False, batch_size: int = 16) -> np.ndarray:
     """(N,) the model's logit difference (answer - foil) on each item's clean (or counterfactual) prompt."""
     device, out = next(model.parameters()).device, np.zeros(len(items))
-    for rows in _batches(items, batch_size):
+    for rows in length_batches(items, batch_size):
         clean, corr, labels = _stack(items, rows, device)
         out[rows] = logit_diff(_plain_logits(model, corr if corrupted else clean), labels).cpu().numpy()
     return out
@@ -193,9 +192,7 @@ def keep_solved(model, items: Sequence[IOIItem], *, batch_size: int = 16, quiet:
     return kept, {"solved": len(kept), "total": len(items), "logit_diffs": diffs}
 
 
-# ---------------------------------------------------------------------------
-# 2. MIB's graph
-# ---------------------------------------------------------------------------
+# ---- 2. MIB's graph ----
 
 class MIBGraph:
     """MIB's edge graph of a model with ``n_layers`` blocks of ``n_heads`` heads (eap.graph.Graph.from_model,
@@ -306,13 +303,6 @@ class MIBGraph:
         return 1 + layer * (self.n_heads + 1) + (self.n_heads if within == 3 * self.n_heads else 0)
 
 
-def mib_edge_count(n_layers: int, n_heads: int) -> tuple[int, int]:
-    """``(nodes, edges)`` of MIB's graph by formula: nodes 2 + L (H + 1); edges into block l's heads
-    3 H (1 + l (H + 1)), into its MLP 1 + l (H + 1) + H, into the logits 1 + L (H + 1)."""
-    edges = sum(3 * n_heads * (1 + l * (n_heads + 1)) + 1 + l * (n_heads + 1) + n_heads for l in range(n_layers))
-    return 2 + n_layers * (n_heads + 1), edges + 1 + n_layers * (n_heads + 1)
-
-
 def _check_scores(graph: MIBGraph, scores) -> torch.Tensor:
     scores = torch.as_tensor(scores, dtype=torch.float32)
     if scores.shape != (graph.n_forward, graph.n_backward):
@@ -396,9 +386,7 @@ def save_circuit(path, graph: MIBGraph, scores, in_graph: Optional[torch.Tensor]
     return path
 
 
-# ---------------------------------------------------------------------------
-# 3. The edge-patched forward
-# ---------------------------------------------------------------------------
+# ---- 3. The edge-patched forward ----
 
 class _Layer(NamedTuple):
     """One block's parts. ``Wq, Wk, Wv``: (H, hd, d), GQA ungrouped; ``bq, bk, bv``: (H, hd) or None;
@@ -434,18 +422,15 @@ def model_layers(model) -> list[_Layer]:
     layers = []
     for block in adapter.blocks:
         attn, mlp = sublayer_module(block, "attn"), sublayer_module(block, "mlp")
-        o_proj, post_attn = sublayer_projection(block, "attn")
-        _, post_mlp = sublayer_projection(block, "mlp")
+        (o_proj, post_attn), (_, post_mlp) = sublayer_projection(block, "attn"), sublayer_projection(block, "mlp")
         if all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj")):
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            parts = [projection_weight(p) for p in projections]
-            splits = [_split_heads(w, b, k, H) for (w, b), k in zip(parts, (H, H_kv, H_kv))]
+            splits = [_split_heads(*projection_weight(p), k, H) for p, k in zip(projections, (H, H_kv, H_kv))]
         elif isinstance(getattr(attn, "c_attn", None), nn.Module):
             projections = (attn.c_attn,)
             weight, bias = projection_weight(attn.c_attn)
-            thirds = weight.chunk(3, 0)
             biases = bias.chunk(3, 0) if bias is not None else (None,) * 3
-            splits = [_split_heads(w, b, H, H) for w, b in zip(thirds, biases)]
+            splits = [_split_heads(w, b, H, H) for w, b in zip(weight.chunk(3, 0), biases)]
         else:
             raise ValueError(f"{type(attn).__name__}: no q_proj/k_proj/v_proj or c_attn (looked for both); "
                              "this architecture is not supported by the edge-patched forward")
@@ -471,9 +456,6 @@ class Acts(NamedTuple):
             parts += [a, m[:, :, None]]
         return torch.cat(parts, 2)
 
-    def detach(self) -> "Acts":
-        return Acts(self.input.detach(), [a.detach() for a in self.attn], [m.detach() for m in self.mlp])
-
 
 class _Mixer:
     """The receivers' inputs of one run. ``weights`` (n_forward, n_backward) in [0, 1] (1: the edge carries
@@ -490,8 +472,18 @@ class _Mixer:
         self.overrides, self.grad = overrides or {}, grad
         self.input, self.attn, self.mlp = None, [], []
         self.resid = None  # the running residual stream (weights None)
-        self.receivers: dict = {}
-        self.corr_sums: dict = {}  # block -> (B, S, 1, d) the counterfactual heads' sum
+        self.receivers, self.corr_sums = {}, {}  # corr_sums: block -> (B, S, 1, d) the counterfactual heads' sum
+        # no post-attention norm: a receiver's input is the counterfactual senders' sum + its weights @ their differences
+        self.linear = weights is not None and not weights.requires_grad and all(p.post_attn is None for p in layers)
+        self.base, self.diffs, self.filled = None, None, 0
+
+    def _keep(self, new: torch.Tensor, old: torch.Tensor, bias=None) -> None:
+        """Append senders (B, S, K, d) to ``diffs`` and their counterfactual sum (+ ``bias``) to ``base``."""
+        if self.diffs is None:
+            self.diffs, self.base = new.new_empty(self.graph.n_forward, new[:, :, 0].numel()), 0
+        K = new.shape[2]
+        self.diffs[self.filled:self.filled + K] = (new - old).permute(2, 0, 1, 3).reshape(K, -1)
+        self.base, self.filled = self.base + old.sum(2) + (bias.to(old) if bias is not None else 0), self.filled + K
 
     def _override(self, key, value: torch.Tensor) -> torch.Tensor:
         if key not in self.overrides:
@@ -510,16 +502,19 @@ class _Mixer:
         if self.grad:
             x = x.detach().requires_grad_(True)
         self.input, self.resid = x, x
+        self.linear and self._keep(x[:, :, None], self.corrupted.input[:, :, None])
 
     def put_attn(self, layer: int, heads: torch.Tensor) -> None:
         heads = self._override(("attn", layer), heads)
         self.attn.append(heads)
+        self.linear and self._keep(heads, self.corrupted.attn[layer], self.layers[layer].bo)
         if self.weights is None:
             self.resid = self.resid + self._attn_sum(layer, heads.sum(-2))
 
     def put_mlp(self, layer: int, out: torch.Tensor) -> None:
         out = self._override(("mlp", layer), out)
         self.mlp.append(out)
+        self.linear and self._keep(out[:, :, None], self.corrupted.mlp[layer][:, :, None])
         if self.weights is None:
             self.resid = self.resid + out
 
@@ -530,6 +525,12 @@ class _Mixer:
         if self.weights is None:
             x = self.resid[:, :, None].expand(-1, -1, R, -1)
             x = x.clone() if self.grad else x
+        elif self.linear:
+            w = self.weights[:self.filled, cols].to(self.diffs)
+            rows = w.any(1).nonzero()[:, 0]  # the senders with an edge in (copied only when they are few)
+            rows, w = (slice(0, self.filled), w) if 4 * len(rows) > self.filled else (rows, w[rows])
+            x = (self.base[:, :, None] + (0 if not w.any() else (w.T @ self.diffs[rows]).view(
+                R, *self.base.shape).permute(1, 2, 0, 3))).expand(-1, -1, R, -1)
         else:
             w, corr, H = self.weights[:, cols].to(self.input), self.corrupted, self.graph.n_heads
             x = _blend(w[:1], self.input[:, :, None], corr.input[:, :, None])
@@ -634,12 +635,10 @@ def _ungrouped(layers: list):
     saved = [(part.attn, part.attn.num_key_value_groups) for part in layers
              if hasattr(part.attn, "num_key_value_groups")]
     try:
-        for attn, _ in saved:
-            attn.num_key_value_groups = 1
+        [setattr(attn, "num_key_value_groups", 1) for attn, _ in saved]
         yield
     finally:
-        for attn, groups in saved:
-            attn.num_key_value_groups = groups
+        [setattr(attn, "num_key_value_groups", groups) for attn, groups in saved]
 
 
 def _run(model, graph: MIBGraph, layers: list, ids: torch.Tensor, mixer: _Mixer) -> torch.Tensor:
@@ -649,8 +648,7 @@ def _run(model, graph: MIBGraph, layers: list, ids: torch.Tensor, mixer: _Mixer)
         with eager_attention(model), _ungrouped(layers):
             out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
-        for handle in handles:
-            handle.remove()
+        [handle.remove() for handle in handles]
     if len(mixer.attn) != graph.n_layers or len(mixer.mlp) != graph.n_layers or mixer.input is None:
         raise ValueError(f"{type(model).__name__}: the hooks reached {len(mixer.attn)} of {graph.n_layers} "
                          "attention blocks; this architecture is not supported by the edge-patched forward")
@@ -686,12 +684,10 @@ class Evaluation:
             raise ValueError("items must hold at least one IOI item, got none")
         self.model, self.items = model, list(items)
         self.graph, self.layers = MIBGraph.from_model(model), model_layers(model)
-        device = next(model.parameters()).device
         self.batches = []
-        for rows in _batches(self.items, batch_size):
-            clean, corrupted, labels = _stack(self.items, rows, device)
-            acts, _ = record_acts(model, self.graph, self.layers, corrupted)
-            self.batches.append((rows, clean, labels, acts))
+        for rows in length_batches(self.items, batch_size):
+            clean, corrupted, labels = _stack(self.items, rows, next(model.parameters()).device)
+            self.batches.append((rows, clean, labels, record_acts(model, self.graph, self.layers, corrupted)[0]))
         self.m_full = logit_diffs(model, self.items, batch_size=batch_size)
         self.m_empty = self.circuit_metric(torch.zeros(self.graph.n_forward, self.graph.n_backward))
 
@@ -744,20 +740,15 @@ def cpr_cmd(evaluation: Evaluation, scores, percentages: Sequence[float] = PERCE
     return {"CPR": signed["area_under"], "CMD": absolute["area_from_1"], "signed": signed, "absolute": absolute}
 
 
-# ---------------------------------------------------------------------------
-# 4. Methods: a (n_forward, n_backward) score per edge
-# ---------------------------------------------------------------------------
+# ---- 4. Methods: a (n_forward, n_backward) score per edge ----
 
 def _contract(graph: MIBGraph, diff: torch.Tensor, grads: dict) -> torch.Tensor:
     """(n_forward, n_backward) sum over items, positions and width of ``diff`` (B, S, n_forward, d) times
     each receiver's input gradient (``grads``: group -> (B, S, R, d)), on the graph's edges."""
     cols, parts = [], []
     for key, g in grads.items():
-        if key == ("logits",):
-            cols.append(graph.n_backward - 1)
-        else:
-            cols.extend(range(_receiver_cols(graph, key[1], "m" if key[0] == "mlp" else key[2]).start,
-                              _receiver_cols(graph, key[1], "m" if key[0] == "mlp" else key[2]).stop))
+        cols.extend(range(graph.n_backward)[slice(-1, None) if key == ("logits",) else
+                                            _receiver_cols(graph, key[1], "m" if key[0] == "mlp" else key[2])])
         parts.append(g)
     g = torch.cat(parts, 2)  # (B, S, n_backward, d) in ``cols`` order
     out = torch.zeros(graph.n_forward, graph.n_backward, dtype=torch.float64)
@@ -845,8 +836,7 @@ def eap_ig_activations_scores(model, graph, layers, clean, corrupted, labels, st
 
 def random_scores(graph: MIBGraph, seed: int = 0) -> torch.Tensor:
     """Standard normal scores on the graph's edges (``torch.Generator().manual_seed(seed)``)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(graph.n_forward, graph.n_backward, generator=gen) * graph.real
+    return torch.randn(graph.n_forward, graph.n_backward, generator=torch.Generator().manual_seed(seed)) * graph.real
 
 
 class Scores(NamedTuple):
@@ -869,12 +859,42 @@ def edge_scores(model, items: Sequence[IOIItem], method: str, *, steps: int = IG
     if method == "random":
         return Scores(random_scores(graph, seed), 0.0, method)
     device, total = next(model.parameters()).device, torch.zeros(graph.n_forward, graph.n_backward)
-    for rows in _batches(items, batch_size):
-        clean, corrupted, labels = _stack(items, rows, device)
-        if method == "EAP":
-            total += eap_scores(model, graph, layers, clean, corrupted, labels)
-        elif method == "EAP-IG-inputs":
-            total += eap_ig_inputs_scores(model, graph, layers, clean, corrupted, labels, steps)
-        else:
-            total += eap_ig_activations_scores(model, graph, layers, clean, corrupted, labels, steps)
+    for rows in length_batches(items, batch_size):
+        args = (model, graph, layers, *_stack(items, rows, device))
+        total += (eap_scores(*args) if method == "EAP" else eap_ig_inputs_scores(*args, steps)
+                  if method == "EAP-IG-inputs" else eap_ig_activations_scores(*args, steps))
     return Scores(total / len(items), (time.perf_counter() - start) / len(items), method)
+
+
+# ---- 5. A long run, one group of items at a time (each a record: iglens_tables.recorded) ----
+
+def score_table(model, items: Sequence[IOIItem], methods: Sequence[str], *, steps: int = IG_STEPS,
+                batch_size: int = 8) -> dict:
+    """``{"scores": per method but random, the sum over ``items`` of its edge scores in ``graph.edges`` order
+    (float32), "seconds": per method its seconds per item, and "items"}`` (a run's mean: the sums' sum / N)."""
+    import pandas as pd
+    graph, out = MIBGraph.from_model(model), {m: edge_scores(model, items, m, steps=steps, batch_size=batch_size)
+                                              for m in methods if m != "random"}
+    return {"scores": pd.DataFrame({m: (r.scores[graph.edge_src, graph.edge_dst] * len(items)).numpy() for m, r in out.items()}),
+            "seconds": pd.DataFrame({"items": [len(items)], **{m: [r.seconds_per_item] for m, r in out.items()}})}
+
+
+def curve_circuits(graph: MIBGraph, scores: dict, percentages: Sequence[float] = PERCENTAGES) -> dict:
+    """``{"method/kind/p": pruned (n_forward, n_backward) bool}``: the circuits of :func:`faithfulness_curve`
+    for each method's ``scores``, kind ``signed`` (CPR's top edges) and ``absolute`` (CMD's)."""
+    return {f"{method}/{kind}/{p!r}": prune(graph, top_edges(graph, values, int(p * graph.n_edges),
+                                                            absolute=kind == "absolute"))[0]
+            for method, values in scores.items() for kind in ("signed", "absolute") for p in percentages}
+
+
+def metric_table(model, items: Sequence[IOIItem], circuits: dict):
+    """Logit differences of ``items`` (one length), a row per item: ``full`` (the clean run, MIB's m(full)),
+    ``empty`` (its m(empty)), ``corrupted`` (the plain counterfactual run: a check of ``empty``) and one
+    column per circuit of ``circuits`` (name -> edges); equal circuits run once."""
+    import pandas as pd
+    ev, done = Evaluation(model, items, batch_size=len(items)), {}
+    out = {"full": ev.m_full, "empty": ev.m_empty, "corrupted": logit_diffs(model, items, corrupted=True, batch_size=len(items))}
+    for name, edges in circuits.items():
+        key = torch.as_tensor(edges).numpy().tobytes()
+        out[name] = done[key] if key in done else done.setdefault(key, ev.circuit_metric(edges))
+    return pd.DataFrame(out)

@@ -768,3 +768,31 @@ def plot_paired_scores(per_item, *, metric: str, method: str, against: str, pane
     axes[0, 0].set_ylabel(f"{method}" + (f"\n{label}" if label else ""))
     fig.suptitle(title)
     return fig
+
+
+def plot_faithfulness(curves: Mapping[str, Mapping[str, Sequence[float]]], percentages: Sequence[float], *,
+                      title: str, panels: Mapping[str, str] = None):
+    """Notebook 12's figure: MIB's faithfulness curves, one panel per kind of circuit, one line per method,
+    x the percentage of edges kept (log scale), f = 1 (the model) and f = 0 (the counterfactual) dashed.
+
+    Args:
+        curves: kind -> method -> (K,) faithfulness at ``percentages`` (fractions of the edges, (K,)).
+        panels: kind -> its panel title (default: the kind).
+    """
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4.4), sharey=True, squeeze=False,
+                             constrained_layout=True)
+    for ax, (kind, methods) in zip(axes[0], curves.items()):
+        for i, (method, f) in enumerate(methods.items()):
+            ax.plot(100 * np.asarray(percentages), f, marker="o", ms=4, lw=1.2 if method == "random" else 2,
+                    ls="--" if method == "random" else "-", color="grey" if method == "random" else f"C{i}",
+                    label=method)
+        for level in (0, 1):
+            ax.axhline(level, color="k", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("edges in the circuit (% of all edges, top by score)")
+        ax.set_title((panels or {}).get(kind, kind))
+    axes[0, 0].set_ylabel("faithfulness f = (m(C) - m(empty)) / (m(full) - m(empty))")
+    axes[0, -1].legend(loc="best", fontsize=9)
+    fig.suptitle(title)
+    return fig

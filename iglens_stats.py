@@ -11,7 +11,9 @@ Imports :mod:`iglens_core` (for its tie tolerance) and holds, in reading order:
    and of a (node, position) state map against a trace grid (``source_route_scores``,
    ``state_map_scores``, notebook 09)
 4. bootstrap intervals and the verdict tables the README quotes (``bootstrap_ci``, ``format_ci``,
-   ``bootstrap_table``, ``onset_verdict``, ``verdict_table``; notebooks 05, 07, 09, 10)
+   ``bootstrap_table``, ``onset_verdict``, ``verdict_table``; notebooks 05, 07, 09, 10), and of the areas
+   of curves that are ratios of means over items (``curve_areas``, ``bootstrap_areas``,
+   ``interval_text``; MIB's faithfulness, notebook 12)
 """
 
 from __future__ import annotations
@@ -573,3 +575,57 @@ def patching_curve_scores(state_map, restoration, *, level: float = 0.5) -> dict
     distance = float(abs(int(restoration_half(column[None], level)[0]) - int(restoration_half(curve[None], level)[0])))
     return dict(patching_spearman=float(spearman_rows(column[None, :n], curve[None, :n])[0]),
                 patching_half_distance=distance, patching_within2=float(distance <= 2))
+def curve_areas(x, f) -> tuple[np.ndarray, np.ndarray]:
+    """``(area under f, area under |1 - f|)`` by trapezoids on ``x`` (K,), along the last axis of ``f``
+    (..., K) (MIB's CPR and CMD integrals)."""
+    x, f = np.asarray(x, dtype=float), np.asarray(f, dtype=float)
+    if x.ndim != 1 or f.shape[-1:] != x.shape:
+        raise ValueError(f"f must end in x's length: x {x.shape}, f {f.shape}")
+    width = np.diff(x)
+    return (((f[..., 1:] + f[..., :-1]) / 2 * width).sum(-1),
+            ((np.abs(1 - f[..., 1:]) + np.abs(1 - f[..., :-1])) / 2 * width).sum(-1))
+
+
+def bootstrap_areas(curves, m_full, m_empty, x, *, n_boot: int = 2000, seed: int = 0) -> dict:
+    """The areas of curves whose points are ratios of means over the same N items, with resamples.
+
+    Point k of a curve is f_k = (mean m_k - mean m_empty) / (mean m_full - mean m_empty) (MIB's
+    faithfulness: means over the items, then the ratio), areas by :func:`curve_areas` on ``x``.
+
+    Args:
+        curves: ``{key: (K, N)}`` per item, the metric at each of the K points ``x``.
+        m_full, m_empty: (N,) per item, the metric of the full model and of the empty circuit.
+
+    Returns:
+        ``{key: (1 + n_boot, 2)}``: row 0 (area under f, area under |1 - f|) on the N items, then on each
+        of ``n_boot`` resamples of the items (with replacement, seeded), the same resamples for every key,
+        so that a difference of two keys' rows is a paired bootstrap of the difference.
+    """
+    m_full, m_empty = np.asarray(m_full, dtype=float), np.asarray(m_empty, dtype=float)
+    if m_full.ndim != 1 or m_full.shape != m_empty.shape or not len(m_full):
+        raise ValueError(f"m_full and m_empty must be (N,) with N >= 1, got {m_full.shape} and {m_empty.shape}")
+    if isinstance(n_boot, bool) or not isinstance(n_boot, (int, np.integer)) or n_boot < 1:
+        raise ValueError(f"n_boot must be an integer >= 1, got {n_boot!r}")
+    n = len(m_full)
+    rows = np.vstack([np.arange(n), np.random.default_rng(seed).integers(0, n, size=(n_boot, n))])
+    empty = m_empty[rows].mean(-1)
+    span = m_full[rows].mean(-1) - empty  # (1 + n_boot,)
+    out = {}
+    for key, values in curves.items():
+        values = np.asarray(values, dtype=float)
+        if values.shape != (len(x), n):
+            raise ValueError(f"curve {key!r} must be ({len(x)}, {n}) (points, items), got {values.shape}")
+        f = (values[:, rows].mean(-1) - empty) / span  # (K, 1 + n_boot)
+        out[key] = np.stack(curve_areas(x, f.T), -1)
+    return out
+
+
+def interval_text(samples, *, digits: int = 2, signed: bool = False, level: float = 0.95) -> str:
+    """``"estimate [low, high]"`` of a column of :func:`bootstrap_areas` (row 0 the estimate, the rest
+    resamples: their percentile interval at ``level``)."""
+    samples = np.asarray(samples, dtype=float)
+    if samples.ndim != 1 or len(samples) < 2:
+        raise ValueError(f"samples must be (1 + n_boot,) with n_boot >= 1, got shape {samples.shape}")
+    low, high = np.quantile(samples[1:], [(1 - level) / 2, (1 + level) / 2])
+    spec = f"{'+' if signed else ''}.{digits}f"
+    return f"{samples[0]:{spec}} [{low:{spec}}, {high:{spec}}]"

@@ -7,7 +7,7 @@ shards written atomically (:func:`write_shard`) and merged once every rank is do
 (:func:`merge_shards`), the paths of the errors and parts tables beside the results, and
 :func:`attribution_from_frame` (one item's attribution rebuilt from its rows, e.g. to draw it again).
 :class:`ItemRecords` keeps a notebook's per-item tables the same way, so that a run longer than a
-sitting resumes, or is split into shards run side by side (:func:`in_shard`); :func:`object_frame`
+sitting resumes, or is split into shards run side by side (:func:`in_shard`, :func:`recorded`); :func:`object_frame`
 turns a nested per-item result into such a table.
 """
 
@@ -21,7 +21,7 @@ import re
 from urllib.parse import quote
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -395,6 +395,23 @@ class ItemRecords:
             raise ValueError(f"the done marker {self._path(item_id, 'done')} of item {item_id!r} does not list its "
                              f"tables: delete it to compute the item again")
         return {name: _read_parquet(self._path(item_id, name), item_id, marker) for name in names.split(",") if name}
+
+
+def recorded(keys: Sequence, compute: Callable, store: Optional["ItemRecords"] = None, shard: str = "",
+             progress: Optional[Callable] = None) -> dict:
+    """``{key: {table: DataFrame}}`` for the ``keys`` of ``shard`` (:func:`in_shard` on their positions),
+    in order: read from ``store`` where it holds them, else ``compute(key)`` (a dict of DataFrames),
+    saved there as soon as it returns (``store`` None: kept nowhere). ``progress`` wraps the keys (tqdm)."""
+    chosen = [key for i, key in enumerate(keys) if in_shard(i, shard)]
+    out = {}
+    for key in progress(chosen) if progress is not None else chosen:
+        if store is not None and key in store:
+            out[key] = store.load(key)
+            continue
+        out[key] = compute(key)
+        if store is not None:
+            store.save(key, **out[key])
+    return out
 
 
 # a record's file name ".<item>.<table>.parquet.tmp" must fit 255 bytes: the quoted item id up to RECORD_NAME_CHARS

@@ -107,15 +107,22 @@ def value_head(model, L, h, x):
 
 # ---- the graph ----
 
+def mib_edge_count(n_layers: int, n_heads: int) -> tuple[int, int]:
+    """``(nodes, edges)`` of MIB's graph by formula: nodes 2 + L (H + 1); edges into block l's heads
+    3 H (1 + l (H + 1)), into its MLP 1 + l (H + 1) + H, into the logits 1 + L (H + 1)."""
+    edges = sum(3 * n_heads * (1 + l * (n_heads + 1)) + 1 + l * (n_heads + 1) + n_heads for l in range(n_layers))
+    return 2 + n_layers * (n_heads + 1), edges + 1 + n_layers * (n_heads + 1)
+
+
 def test_graph_counts_match_mib():
-    assert mib.mib_edge_count(12, 12) == (158, 32491)  # GPT-2 small, as MIB states
+    assert mib_edge_count(12, 12) == (158, 32491)  # GPT-2 small, as MIB states
     graph = mib.MIBGraph(12, 12, 768)
     assert (len(graph.nodes), graph.n_edges, int(graph.real.sum())) == (158, 32491, 32491)
     assert len(set(graph.edges)) == graph.n_edges
     assert graph.edges[:4] == ["input->a0.h0<q>", "input->a0.h0<k>", "input->a0.h0<v>", "input->a0.h1<q>"]
     assert graph.edges[-1] == "m11->logits" and "a11.h3->m11" in graph.edge_index
     assert "a3.h0->a3.h1<q>" not in graph.edge_index  # heads of one block do not feed each other
-    assert mib.mib_edge_count(30, 9) == (302, 123211)  # SmolLM2-135M
+    assert mib_edge_count(30, 9) == (302, 123211)  # SmolLM2-135M
     assert (graph.n_forward, graph.n_backward) == (157, 445)
 
 
@@ -334,6 +341,118 @@ def test_protocol_end_to_end(tokenizer):
     assert result["signed"]["faithfulness"][-1] == pytest.approx(1, abs=1e-4)
     assert result["absolute"]["n_edges"][-1] == ev.graph.n_edges and result["CMD"] >= 0
     assert mib.edge_scores(model, items, "random").scores.shape == eap.scores.shape and eap.seconds_per_item > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_one_gemm_mixer_equals_the_blend(arch):
+    """Without a post-attention norm the patched forward mixes with one GEMM over the senders' differences;
+    with weights that need gradients it takes the per-block blend: the two agree on a fractional circuit."""
+    model, graph, layers = setup(arch)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # GPT-2's biases start at 0: give them values, so that the output bias counts
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    layers = mib.model_layers(model)
+    clean, corrupted = pair(seed=4)
+    acts, _ = mib.record_acts(model, graph, layers, corrupted)
+    weights = (torch.rand(graph.n_forward, graph.n_backward, generator=gen) * graph.real).double()
+    weights[:, :graph.n_backward // 2] *= torch.rand(graph.n_forward, 1, generator=gen).double() < 0.1  # sparse rows
+    fast = mib.patched_logits(model, graph, layers, clean, weights, acts)
+    slow = mib.patched_logits(model, graph, layers, clean, weights.clone().requires_grad_(True), acts)
+    assert torch.allclose(fast, slow, atol=ATOL) and not torch.allclose(fast, mib.record_acts(model, graph, layers, clean)[1])
+
+
+# ---- a long run in records (notebook 12) ----
+
+def test_run_in_records_matches_one_pass(tokenizer, tmp_path):
+    """Score sums per length group, recorded and read back, give the mean scores of one pass over all items;
+    a shard takes every k-th group; the circuits of a curve are nested and end in the whole graph; a group's
+    metric table holds the plain clean and counterfactual runs and the harness's circuit metric."""
+    import iglens_tables as igt
+    model = tiny_model("llama", seed=5, vocab_size=tokenizer.vocab_size + len(tokenizer.get_added_vocab()))
+    items = mib.ioi_items(tokenizer, 6, seed=2)
+    groups = {f"g{k}": rows for k, rows in enumerate(mib.length_batches(items, 2))}
+    assert sorted(i for rows in groups.values() for i in rows) == list(range(6)) and len(groups) >= 3
+    store = igt.ItemRecords(tmp_path / "rec", {"test": 1}, model=model)
+    methods = ["EAP", "EAP-IG-inputs", "random"]
+    compute = lambda key: mib.score_table(model, [items[i] for i in groups[key]], methods, batch_size=1)
+    tables = igt.recorded(list(groups), compute, store)
+    assert set(tables["g0"]["scores"].columns) == {"EAP", "EAP-IG-inputs"}  # random needs no items
+
+    def boom(key):
+        raise AssertionError("recomputed a stored group")
+    again = igt.recorded(list(groups), boom, store)  # every group read back
+    assert list(again) == list(groups)
+    assert list(igt.recorded(list(groups), boom, store, shard="1/2")) == list(groups)[1::2]
+    graph = mib.MIBGraph.from_model(model)
+    for method in ("EAP", "EAP-IG-inputs"):
+        total = sum(t["scores"][method].to_numpy(np.float64) for t in again.values()) / 6
+        mean = mib.scores_from_dict(graph, dict(zip(graph.edges, total)))
+        whole = mib.edge_scores(model, items, method, batch_size=6).scores
+        assert torch.allclose(mean, whole, rtol=1e-4, atol=1e-6 * float(whole.abs().max()))
+    assert sum(int(t["seconds"]["items"].iloc[0]) for t in again.values()) == 6
+
+    circuits = mib.curve_circuits(graph, {"EAP": mean, "random": mib.random_scores(graph)}, percentages=(0.01, 0.1, 0.5, 1.0))
+    assert len(circuits) == 2 * 2 * 4 and torch.equal(circuits["EAP/signed/1.0"], graph.real)
+    for method in ("EAP", "random"):
+        for kind in ("signed", "absolute"):
+            chain = [circuits[f"{method}/{kind}/{p!r}"] for p in (0.01, 0.1, 0.5, 1.0)]
+            assert all(bool((a <= b).all()) for a, b in zip(chain, chain[1:]))  # nested, after pruning too
+            assert int(chain[1].sum()) <= int(0.1 * graph.n_edges)
+    rows = max(groups.values(), key=len)
+    group = [items[i] for i in rows]
+    chosen = {"a": circuits["EAP/absolute/0.1"], "b": circuits["EAP/absolute/0.1"].clone(), "c": circuits["random/signed/0.5"]}
+    table = mib.metric_table(model, group, chosen)
+    assert list(table.columns) == ["full", "empty", "corrupted", "a", "b", "c"] and len(table) == len(group)
+    assert np.array_equal(table["full"], mib.logit_diffs(model, group))
+    assert np.array_equal(table["corrupted"], mib.logit_diffs(model, group, corrupted=True))
+    assert np.allclose(table["empty"], table["corrupted"], atol=ATOL) and np.array_equal(table.a, table.b)
+    ev = mib.Evaluation(model, items, batch_size=6)  # all items, other batches
+    for name in "ac":
+        assert np.allclose(table[name], ev.circuit_metric(chosen[name])[rows], atol=ATOL)
+
+
+def test_bootstrap_areas_against_a_direct_computation():
+    import iglens_stats as igs
+    rng = np.random.default_rng(4)
+    x, N, n_boot = (0.001, 0.01, 0.1, 0.5, 1.0), 7, 5
+    full, empty = rng.normal(3, 1, N), rng.normal(-1, 1, N)
+    curves = {"a": rng.normal(1, 2, (len(x), N)), "same": None, "model": np.tile(full, (len(x), 1))}
+    curves["same"] = curves["a"].copy()
+    out = igs.bootstrap_areas(curves, full, empty, x, n_boot=n_boot, seed=9)
+    draws = np.random.default_rng(9).integers(0, N, size=(n_boot, N))
+    for j, rows in enumerate([list(range(N))] + [list(r) for r in draws]):
+        f = [(sum(curves["a"][k][i] for i in rows) / N - sum(empty[i] for i in rows) / N)
+             / (sum(full[i] for i in rows) / N - sum(empty[i] for i in rows) / N) for k in range(len(x))]
+        assert out["a"][j] == pytest.approx(mib.areas(x, f), rel=1e-12)
+    assert np.array_equal(out["a"], out["same"])  # the same resamples for every key: differences are paired
+    assert np.allclose(out["model"], [[x[-1] - x[0], 0.0]] * (n_boot + 1))  # f = 1 everywhere
+    under, from_1 = igs.curve_areas(x, np.stack([np.zeros(5), np.ones(5)]))
+    assert np.allclose(under, [0, 0.999]) and np.allclose(from_1, [0.999, 0])
+    assert igs.interval_text(np.array([0.5, 0.1, 0.2, 0.9]), digits=2, level=0.5) == \
+        f"0.50 [{np.quantile([0.1, 0.2, 0.9], 0.25):.2f}, {np.quantile([0.1, 0.2, 0.9], 0.75):.2f}]"
+    assert igs.interval_text(np.array([-0.5, 1.0]), signed=True, digits=1) == "-0.5 [+1.0, +1.0]"
+    with pytest.raises(ValueError, match=r"curve 'a' must be \(5, 7\)"):
+        igs.bootstrap_areas({"a": np.zeros((4, 7))}, full, empty, x)
+    with pytest.raises(ValueError, match="m_full and m_empty must be"):
+        igs.bootstrap_areas({}, full, empty[:3], x)
+
+
+def test_plot_faithfulness():
+    import matplotlib
+    matplotlib.use("Agg")
+    import iglens_plot as igp
+    p = (0.001, 0.01, 1.0)
+    fig = igp.plot_faithfulness({"signed": {"EAP": [0.1, 0.5, 1.0], "random": [0, 0.1, 1.0]},
+                                 "absolute": {"EAP": [0.2, 0.6, 1.0], "random": [0, 0, 1.0]}}, p, title="t",
+                                panels={"signed": "CPR's"})
+    left, right = fig.axes
+    assert left.get_xscale() == "log" and left.get_title() == "CPR's" and right.get_title() == "absolute"
+    drawn = [line for line in left.lines if line.get_label() in ("EAP", "random")]
+    assert [line.get_label() for line in drawn] == ["EAP", "random"]
+    assert np.allclose(drawn[0].get_xdata(), [0.1, 1, 100]) and np.allclose(drawn[0].get_ydata(), [0.1, 0.5, 1.0])
+    assert [t.get_text() for t in right.get_legend().get_texts()] == ["EAP", "random"]
 
 
 # ---- bad input ----
