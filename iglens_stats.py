@@ -575,6 +575,8 @@ def patching_curve_scores(state_map, restoration, *, level: float = 0.5) -> dict
     distance = float(abs(int(restoration_half(column[None], level)[0]) - int(restoration_half(curve[None], level)[0])))
     return dict(patching_spearman=float(spearman_rows(column[None, :n], curve[None, :n])[0]),
                 patching_half_distance=distance, patching_within2=float(distance <= 2))
+
+
 def curve_areas(x, f) -> tuple[np.ndarray, np.ndarray]:
     """``(area under f, area under |1 - f|)`` by trapezoids on ``x`` (K,), along the last axis of ``f``
     (..., K) (MIB's CPR and CMD integrals)."""
