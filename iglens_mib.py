@@ -2,7 +2,6 @@
 hannamw/MIB-circuit-track and its EAP-IG submodule hannamw/EAP-IG, whose conventions are followed here).
 
 Imports :mod:`iglens_core` through public names only and holds, in reading order:
-
 1. IOI data from templates (``ioi_items``, ``keep_solved``): ABBA and BABA sentences with MIB's
    counterfactual ``s2_io_flip`` (the second mention of the subject replaced by the indirect object).
 2. MIB's graph (``MIBGraph``): nodes ``input``, ``a{L}.h{H}``, ``m{L}``, ``logits``; an edge from every
@@ -23,6 +22,7 @@ ungrouped as MIB does: every query head has its own key and value input), R rece
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -379,10 +379,10 @@ def circuit_json(graph: MIBGraph, scores, in_graph: Optional[torch.Tensor] = Non
 
 
 def save_circuit(path, graph: MIBGraph, scores, in_graph: Optional[torch.Tensor] = None) -> Path:
-    """Write :func:`circuit_json` to ``path`` (folders made); returns the path."""
-    path = Path(path)
+    """Write :func:`circuit_json` to ``path`` (folders made; gzip-compressed when it ends in ``.gz``)."""
+    path, text = Path(path), json.dumps(circuit_json(graph, scores, in_graph))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(circuit_json(graph, scores, in_graph)))
+    path.write_bytes(gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode())
     return path
 
 

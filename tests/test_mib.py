@@ -477,3 +477,14 @@ def test_bad_input():
         mib.scores_from_dict(graph, named)
     with pytest.raises(ValueError, match="not supported"):
         mib.model_layers(tiny_model("neox"))
+
+
+def test_save_circuit_gzip_round_trip(tmp_path):
+    """A ``.gz`` path holds the same JSON as a plain one, compressed (the committed circuit file's form)."""
+    import gzip
+    import json
+    graph = mib.MIBGraph(2, 2)
+    scores = torch.arange(graph.n_forward * graph.n_backward, dtype=torch.float32).reshape(graph.n_forward, graph.n_backward)
+    plain = mib.save_circuit(tmp_path / "c.json", graph, scores)
+    packed = mib.save_circuit(tmp_path / "c.json.gz", graph, scores)
+    assert json.loads(gzip.decompress(packed.read_bytes())) == json.loads(plain.read_text()) == mib.circuit_json(graph, scores)
