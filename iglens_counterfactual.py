@@ -36,14 +36,19 @@ Edge parts. Head h at query q reads ``z(q) = sum_k A(q, k) v(k)`` with ``A = sof
 the path, both at each node), integrated with the same weights. Tangents come from forward-mode AD,
 gradients from one reverse pass: parts cost a second forward pass per node.
 
-Precision. Every block runs as a float64 copy of the model's block (made one block at a time, its norms in
-float64 as :func:`iglens_core.float64_forward` makes them), from the model's own embedding outputs, so
-the graph splits the model's function computed in float64; ``delta_model`` is the model's own readout in
-its dtype, and ``rebuild`` the largest relative gap between the float64 states and the model's.
+Precision. By default every block runs as a float64 copy of the model's block (made one block at a time, its
+norms in float64 as :func:`iglens_core.float64_forward` makes them), from the model's own embedding outputs,
+so the graph splits the model's function computed in float64 and every cut is complete to the quadrature
+gaps (<= ``tolerance * |delta|``, 1e-7 by default). ``dtype=torch.float32`` runs the chain in float32 instead
+(copies of the blocks in float32, the model's own readout): about half the time per node, and the gaps then
+hold float32 rounding too, so the default tolerance is :data:`FLOAT32_TOLERANCE`. ``delta_model`` is the
+model's own readout in its dtype, and ``rebuild`` the largest relative gap between the chain's states and
+the model's.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import weakref
@@ -57,19 +62,21 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from iglens_checks import non_finite_error
-from iglens_core import (as_model, check_foil, check_model, check_quantity, check_sequence, eager_attention,
-                         first_output, float64_forward, get_adapter, head_counts, hidden_arg, plain_number,
-                         quadrature, sublayer_module, sublayer_norm, sublayer_projection, Readout)
+from iglens_core import (as_model, check_foil, check_model, check_quantity, check_same_model, check_sequence,
+                         eager_attention, first_output, float64_forward, get_adapter, head_counts, hidden_arg,
+                         plain_number, quadrature, sublayer_module, sublayer_norm, sublayer_projection, Readout)
 
-ATTENTION = "iglens_counterfactual"  # the attention implementation the float64 block copies run
+ATTENTION = "iglens_counterfactual"  # the attention implementation the block copies run
 PARTS = ("value", "query", "key")  # the last axis of CounterfactualGraph.edges
-DEFAULT_STEPS = 16
-DEFAULT_TOLERANCE = 1e-7  # largest |gap| of one sublayer, relative to |delta|, before it is refined
+DEFAULT_STEPS = 16  # Gauss-Legendre nodes per sublayer to start with (float64)
+FLOAT32_STEPS = 4  # the same for a float32 chain: its map within 1.1e-5 (relative L1) of float64 at m = 64, as at 16
+DEFAULT_TOLERANCE = 1e-7  # largest |gap| of one sublayer, relative to |delta|, before it is refined (float64)
+FLOAT32_TOLERANCE = 1e-5  # the same for a float32 chain, above its rounding (~1e-6 a sublayer, measured)
 MAX_STEPS = 256
 REBUILD_TOLERANCE = 1e-3  # relative gap between the float64 copies' states and the model's
-COPY_BUDGET = 2 * 2**30  # bytes of float64 copies (blocks, head) kept between calls and within one
+COPY_BUDGET = 2 * 2**30  # bytes of block (and float64 head) copies kept between calls and within one
 _CAPTURE: list = []  # the attention function appends what it read while a capture is open
-_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # block -> (its tensors' versions, float64 copy)
+_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> {dtype: (its tensors' versions, copy)}
 
 
 class _Stop(Exception):
@@ -102,45 +109,52 @@ def _register() -> None:
 _register()
 
 
-def _as_float64(value):
-    """Floating tensors (and tuples of them) in a recorded block call as float64; the rest as it is."""
+def _as_dtype(value, dtype: torch.dtype):
+    """Floating tensors (and tuples of them) in a recorded block call as ``dtype``; the rest as it is."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(torch.float64)
+        return value.to(dtype)
     if isinstance(value, tuple):
-        return tuple(_as_float64(v) for v in value)
+        return tuple(_as_dtype(v, dtype) for v in value)
     return value
 
 
-def _float64_block(block: nn.Module, cache: bool = False) -> nn.Module:
-    """A float64 copy of ``block``: norms in float64, attention by :func:`_attention`. With ``cache`` the copy is
-    kept for the block's lifetime and reused while none of its tensors has been changed or replaced."""
-    versions = tuple((t.data_ptr(), t._version) for t in itertools.chain(block.parameters(), block.buffers()))
-    kept = _COPIES.get(block)
+def _versions(*modules: nn.Module) -> tuple:
+    return tuple((t.data_ptr(), t._version) for m in modules for t in itertools.chain(m.parameters(), m.buffers()))
+
+
+def _block_copy(block: nn.Module, dtype: torch.dtype, cache: bool = False) -> nn.Module:
+    """A copy of ``block`` in ``dtype`` (float64: norms in float64 too), attention by :func:`_attention`. With
+    ``cache`` the copy is kept for the block's lifetime and reused while none of its tensors has been changed or
+    replaced."""
+    versions = _versions(block)
+    kept = _COPIES.get(block, {}).get(dtype)
     if cache and kept is not None and kept[0] == versions:
         return kept[1]
-    out = copy.deepcopy(block).to(torch.float64)
-    float64_forward(out)
+    out = copy.deepcopy(block).to(dtype)
+    if dtype == torch.float64:
+        float64_forward(out)
     for module in out.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             config._attn_implementation = ATTENTION
     if cache:
-        _COPIES[block] = (versions, out)
+        _COPIES.setdefault(block, {})[dtype] = (versions, out)
     return out
 
 
-def _record(model, adapter, input_ids: torch.Tensor):
-    """One eager pass of ``input_ids`` (1, S), stopped at the final norm: each block's call (float64,
-    without cache arguments), the embedding output h_0 and the final norm's input h_n, (S, d) each."""
+def _record(model, adapter, input_ids: torch.Tensor, dtype: torch.dtype = torch.float64):
+    """One eager pass of ``input_ids`` (1, S), stopped at the final norm: each block's call (in ``dtype``,
+    without cache arguments), each block's input (S, d) (the first is the embedding output h_0) and the final
+    norm's input h_n (S, d)."""
     n = adapter.n_layers
     calls, final = [None] * n, []
 
     def record(layer):
         def hook(module, args, kwargs):
             hidden = hidden_arg(args, kwargs).detach()
-            kwargs = {k: _as_float64(v) for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values",
+            kwargs = {k: _as_dtype(v, dtype) for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values",
                                                                                "past_key_value", "layer_past", "use_cache")}
-            rest = tuple(_as_float64(a) for a in args[1:]) if args else None  # None: the state went by keyword
+            rest = tuple(_as_dtype(a, dtype) for a in args[1:]) if args else None  # None: the state went by keyword
             calls[layer] = (hidden, rest, kwargs)
         return hook
 
@@ -158,7 +172,7 @@ def _record(model, adapter, input_ids: torch.Tensor):
     finally:
         for hook in hooks:
             hook.remove()
-    return [(args, kwargs) for _, args, kwargs in calls], calls[0][0][0], final[0][0]
+    return [(args, kwargs) for _, args, kwargs in calls], [hidden[0] for hidden, _, _ in calls], final[0][0]
 
 
 def _run_block(block: nn.Module, x: torch.Tensor, call) -> torch.Tensor:
@@ -167,7 +181,7 @@ def _run_block(block: nn.Module, x: torch.Tensor, call) -> torch.Tensor:
 
 
 class _Sublayers:
-    """One block's two sublayers as maps of all positions' states, on its float64 copy."""
+    """One block's two sublayers as maps of all positions' states, on its copy."""
 
     def __init__(self, block: nn.Module, call):
         self.block, self.call = block, call
@@ -210,13 +224,13 @@ class _Sublayers:
 
 @dataclass
 class CounterfactualGraph:
-    """The split of ``delta = f(clean) - f(corrupted)`` (float64, in the unit of f) over the model.
+    """The split of ``delta = f(clean) - f(corrupted)`` (in the unit of f; tensors float64) over the model.
 
     Attributes:
         target, foil: token ids (foil None); quantity: ``"prob"`` or ``"logprob"``.
         input_ids, corrupted_ids: (S,) the two sequences; the readout is at the last position.
         first: the first position where they differ (every state before it is equal in both runs).
-        f_clean, f_corrupted, delta: the readout of the float64 chain and its difference.
+        f_clean, f_corrupted, delta: the readout of the chain (float64 by default) and its difference.
         delta_model: the same difference read by the model itself, in its dtype.
         carried: (n+1, S) ``<cot_L(s), h_L(s) - h'_L(s)>``: node 0 the token embeddings, node L block L's output.
         carried_mid: (n, S) the same at each block's state between attention and MLP.
@@ -226,10 +240,10 @@ class CounterfactualGraph:
         gaps: (n, 2) each sublayer's quadrature gap ``<cot_in, dx_in> - <cot_out, dx_out>`` (attention, MLP);
             gap_readout: ``<cot_n, dh_n> - delta``. Their sum is ``carried[0].sum() - delta``.
         steps: (n, 2) Gauss-Legendre nodes each sublayer used; readout_steps: the readout's.
-        rebuild: largest relative gap between the float64 states and the model's own.
+        rebuild: largest relative gap between the chain's states and the model's own.
         cotangents: (n+1, S, d) ``cot_L``; cotangents_mid: (n, S, d) on the states between attention and MLP
             (0 before ``first``: no share needs them there, every state there being equal in both runs);
-            states, states_mid: (2, n+1, S, d) and (2, n, S, d) the clean [0] and corrupted [1] float64 states.
+            states, states_mid: (2, n+1, S, d) and (2, n, S, d) the clean [0] and corrupted [1] states of the chain.
     """
     target: int
     foil: Optional[int]
@@ -281,8 +295,8 @@ def _readout64(model, adapter) -> Readout:
     lifetime like the blocks', while it fits :data:`COPY_BUDGET`), read by :class:`iglens_core.Readout`, whose
     segment gradients take three head products whatever the number of nodes."""
     head = adapter.head
-    versions = tuple((t.data_ptr(), t._version) for t in itertools.chain(head.parameters(), adapter.norm.parameters()))
-    kept = _COPIES.get(head)
+    versions = _versions(head, adapter.norm)
+    kept = _COPIES.get(head, {}).get(torch.float64)
     if kept is not None and kept[0] == versions:
         return Readout(model, norm=kept[1][0], head=kept[1][1])
     norm = copy.deepcopy(adapter.norm).to(torch.float64)
@@ -296,17 +310,19 @@ def _readout64(model, adapter) -> Readout:
         if isinstance(bias, torch.Tensor):
             head64.bias.copy_(bias)
     if 8 * weight.numel() <= COPY_BUDGET:
-        _COPIES[head] = (versions, (norm, head64))
+        _COPIES.setdefault(head, {})[torch.float64] = (versions, (norm, head64))
     return Readout(model, norm=norm, head=head64)
 
 
-def _nodes(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return quadrature("gauss_legendre", steps)
+@functools.lru_cache(maxsize=64)
+def _nodes(steps: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauss-Legendre nodes and weights on [0, 1] (cached: numpy computes them afresh on every call)."""
+    return tuple(t.to(dtype) for t in quadrature("gauss_legendre", steps))
 
 
 def _pull(fn, start: torch.Tensor, end: torch.Tensor, cot: torch.Tensor, steps: int, batch: int):
     """``sum_k w_k J_fn(x_k)^T cot`` over the Gauss-Legendre nodes of the straight path start -> end (S, d)."""
-    alphas, weights = _nodes(steps)
+    alphas, weights = _nodes(steps, start.dtype)
     delta = end - start
     out = torch.zeros_like(start)
     for i in range(0, steps, batch):
@@ -321,7 +337,7 @@ def _pull(fn, start: torch.Tensor, end: torch.Tensor, cot: torch.Tensor, steps: 
 
 def _attention_parts(sub: _Sublayers, start, end, cot, steps, batch, edges: bool):
     """Heads (H, S) and edges (H, S, S, 3) of one attention sublayer for the cotangent ``cot`` on its output."""
-    alphas, weights = _nodes(steps)
+    alphas, weights = _nodes(steps, start.dtype)
     delta = end - start
     heads_out, edges_out = 0.0, 0.0
     for i in range(0, steps, batch):
@@ -355,7 +371,7 @@ def _attention_parts(sub: _Sublayers, start, end, cot, steps, batch, edges: bool
 
 def _mlp_parts(sub: _Sublayers, start, end, cot, steps, batch):
     """(S, d_ff) the neurons' shares of one MLP sublayer for the cotangent ``cot`` on its output."""
-    alphas, weights = _nodes(steps)
+    alphas, weights = _nodes(steps, start.dtype)
     delta = end - start
     out = 0.0
     for i in range(0, steps, batch):
@@ -388,9 +404,10 @@ def _refined(compute, gap_of, steps: int, limit: float, max_steps: int):
 
 
 def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quantity: str = "prob", foil=None,
-                         steps: int = DEFAULT_STEPS, tolerance: float = DEFAULT_TOLERANCE,
+                         steps: Optional[int] = None, tolerance: Optional[float] = None,
                          max_steps: int = MAX_STEPS, parts: bool = True, edges: bool = False,
-                         batch: int = 16, min_delta: float = 0.0, progress: bool = False) -> CounterfactualGraph:
+                         batch: int = 16, min_delta: float = 0.0, dtype: torch.dtype = torch.float64,
+                         readout: Optional[Readout] = None, progress: bool = False) -> CounterfactualGraph:
     """The exact counterfactual graph of ``target`` at the last position of ``clean_ids`` against
     ``corrupted_ids`` (see the module docstring).
 
@@ -399,12 +416,18 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
         clean_ids, corrupted_ids: (1, S) or (S,) token ids of the same length, differing somewhere.
         target: token id of the answer read at the last position; foil: a token id for f = f(y) - f(foil).
         quantity: ``"prob"`` (p(y)) or ``"logprob"`` (log p(y); with a foil the logit difference).
-        steps: Gauss-Legendre nodes per sublayer and for the readout to start with, 1..max_steps.
+        steps: Gauss-Legendre nodes per sublayer and for the readout to start with, 1..max_steps. None:
+            :data:`DEFAULT_STEPS` (float64), :data:`FLOAT32_STEPS` (float32).
         tolerance: a sublayer whose gap exceeds ``tolerance * |delta|`` is integrated again with twice the
-            nodes, up to ``max_steps``; the gaps left are reported (``gaps``, ``gap_readout``).
+            nodes, up to ``max_steps``; the gaps left are reported (``gaps``, ``gap_readout``). None:
+            :data:`DEFAULT_TOLERANCE` (float64), :data:`FLOAT32_TOLERANCE` (float32).
         parts: also split each block over heads and neurons (a second, forward-mode pass per node).
         edges: also split each head over (query, key) edges and value / query / key parts ((n, H, S, S, 3)).
         batch: path nodes per pass (memory); min_delta: smallest |delta| accepted.
+        dtype: the chain's precision, ``torch.float64`` (exact to the quadrature gaps) or ``torch.float32``
+            (about half the time; its gaps hold float32 rounding).
+        readout: the model's :class:`iglens_core.Readout`, shared between calls (a new one checks the final norm's
+            form once, ~0.1 s); None makes one.
         progress: a progress bar over the blocks.
 
     Returns:
@@ -429,9 +452,14 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
         raise ValueError("clean_ids and corrupted_ids are identical: there is no difference to split; "
                          "corrupt the input (e.g. swap the subject)")
     check_quantity(quantity)
+    if dtype not in (torch.float64, torch.float32):
+        raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype!r}")
     max_steps = _check_int("max_steps", max_steps, 1, 4096)
-    steps = _check_int("steps", steps, 1, max_steps)
+    steps = _check_int("steps", (DEFAULT_STEPS if dtype == torch.float64 else FLOAT32_STEPS) if steps is None else steps,
+                       1, max_steps)
     batch = _check_int("batch", batch, 1, 4096)
+    if tolerance is None:
+        tolerance = DEFAULT_TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE
     tolerance, min_delta = plain_number(tolerance), plain_number(min_delta)
     for name, value in (("tolerance", tolerance), ("min_delta", min_delta)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -439,7 +467,8 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
     for name, flag in (("parts", parts), ("edges", edges), ("progress", progress)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
-    readout = Readout(model)
+    check_same_model(model, readout=readout)
+    readout = readout or Readout(model)
     target = _check_int("target", target, 0, readout.vocab_size - 1)
     foils = check_foil(foil, torch.tensor([target]), readout.vocab_size)
     foil = None if foils is None else int(foils[0])
@@ -449,45 +478,48 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
     if getattr(adapter.blocks[0], "use_parallel_residual", False) or getattr(adapter.blocks[0], "parallel_attn", False):
         raise ValueError("parallel attention and MLP blocks are not supported by the counterfactual graph")
 
-    calls, h0, hn = _record(model, adapter, clean)
-    _, h0_bad, hn_bad = _record(model, adapter, corrupted)
+    calls, inputs, hn = _record(model, adapter, clean, dtype)
+    _, inputs_bad, hn_bad = _record(model, adapter, corrupted, dtype)
+    h0, h0_bad = inputs[0], inputs_bad[0]
     first = int(differ[0])
     S = clean.shape[1]
     own = readout(torch.stack([hn[-1], hn_bad[-1]]), torch.tensor(target), None if foil is None else torch.tensor(foil),
                   quantity=quantity).double()
     delta_model = float(own[0] - own[1])
 
-    # float64 chain: both runs through float64 copies of the blocks, the sublayer states kept
-    keep = 8 * sum(p.numel() for p in adapter.blocks.parameters()) <= COPY_BUDGET  # float64 copies kept
+    # the chain: both runs through copies of the blocks in `dtype`, the sublayer states kept
+    size = torch.finfo(dtype).bits // 8
+    keep = size * sum(p.numel() for p in adapter.blocks.parameters()) <= COPY_BUDGET  # copies kept
     copies: list = [None] * n
-    states = [torch.stack([h0, h0_bad]).double()]  # node states (2, S, d): clean, corrupted
+    states = [torch.stack([h0, h0_bad]).to(dtype)]  # node states (2, S, d): clean, corrupted
     mids = []
     rebuild = 0.0
     with torch.no_grad():
         for layer in range(n):
-            block = _float64_block(adapter.blocks[layer], cache=keep)
+            block = _block_copy(adapter.blocks[layer], dtype, cache=keep)
             sub = _Sublayers(block, calls[layer])
             x = states[-1]
             mid = x + sub.attn(x)
             out = mid + sub.mlp_increment(mid)
-            whole = _run_block(block, x, calls[layer])
-            rebuild = max(rebuild, float((out - whole).norm() / whole.norm().clamp_min(1e-30)))
+            if layer + 1 < n:  # against the model's own states (the last block's against h_n below)
+                model_states = torch.stack([inputs[layer + 1], inputs_bad[layer + 1]]).to(dtype)
+                rebuild = max(rebuild, float((out - model_states).norm() / model_states.norm().clamp_min(1e-30)))
             out[:, :first] = out[0, :first]  # equal inputs give equal states: make it exact
             mid[:, :first] = mid[0, :first]
             mids.append(mid)
             states.append(out)
             if keep:
                 copies[layer] = sub
-    final = torch.stack([hn, hn_bad]).double()
-    for what, tensors in (("the model's own pass", [h0, h0_bad, hn, hn_bad]), ("the float64 copies' pass", states + mids)):
+    final = torch.stack([hn, hn_bad]).to(dtype)
+    for what, tensors in (("the model's own pass", [h0, h0_bad, hn, hn_bad]), ("the block copies' pass", states + mids)):
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             raise non_finite_error(model, f"in {what} (clean or corrupted run)")
     rebuild = max(rebuild, float((states[-1] - final).norm() / final.norm().clamp_min(1e-30)))
     if not rebuild <= REBUILD_TOLERANCE:
-        raise ValueError(f"the float64 copies of the blocks do not rebuild the model's states (relative gap {rebuild:.1e}): "
+        raise ValueError(f"the copies of the blocks do not rebuild the model's states (relative gap {rebuild:.1e}): "
                          "this architecture computes its blocks otherwise than this construction assumes")
 
-    read = _readout64(model, adapter)
+    read = readout if dtype != torch.float64 or readout.dtype == torch.float64 else _readout64(model, adapter)
     top_clean, top_bad = states[-1][0, -1], states[-1][1, -1]
     ids = (torch.tensor([target]), None if foil is None else torch.tensor([foil]))
     f_corrupted, f_clean = read(torch.stack([top_bad, top_clean]), ids[0], ids[1], quantity=quantity).tolist()
@@ -500,7 +532,7 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
     dh = top_clean - top_bad
 
     def top(m):
-        alphas, weights = _nodes(m)
+        alphas, weights = _nodes(m, torch.float64)
         gbar, _ = read.along_segments(torch.stack([top_bad, top_clean])[:, None], ids[0], alphas, weights=weights,
                                       foils=ids[1], quantity=quantity)  # (1, 1, d)
         return gbar[0, 0]
@@ -519,7 +551,7 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
     carried[n] = (cot * (states[n][0] - states[n][1])).sum(-1)
     cots, cots_mid = [None] * n + [cot], [None] * n
     for layer in tqdm(reversed(range(n)), total=n, desc="blocks", disable=not progress):
-        sub = copies[layer] or _Sublayers(_float64_block(adapter.blocks[layer]), calls[layer])
+        sub = copies[layer] or _Sublayers(_block_copy(adapter.blocks[layer], dtype), calls[layer])
         x_bad, x = states[layer][1], states[layer][0]
         m_bad, m = mids[layer][1], mids[layer][0]
         d_out, d_mid, d_x = states[layer + 1][0] - states[layer + 1][1], m - m_bad, x - x_bad

@@ -40,7 +40,8 @@ Items, in the order of the issue:
 16. the counterfactual graph of one fact (``iglens_counterfactual.counterfactual_graph``: states only, and
     with heads, neurons and edges) against EAP-IG's m forward and backward passes at the same m (its
     cost floor: the interpolated inputs in one batch, every block output's gradient kept) and AtP
-    per state (issue 43);
+    per state (issue 43), the float64 chain and the float32 one (issue 45), with the float32 map's distance
+    from the float64 one;
 
 and the levers measured for the readout (node products, chunk rows, log-softmax vs logsumexp,
 the tangent's product, inference mode).
@@ -1204,23 +1205,38 @@ def _eap_ig_passes(model, clean: torch.Tensor, corrupted: torch.Tensor, target: 
 
 
 def item16_counterfactual(ctx) -> None:
-    """The counterfactual graph of one fact vs EAP-IG's passes at the same m and AtP per state (issue 43)."""
+    """The counterfactual graph of one fact vs EAP-IG's passes at the same m and AtP per state (issue 43), the
+    float64 chain (exact to its quadrature gaps) and the float32 one (issue 45's treatment), at their default m."""
     model, tokenizer = ctx.model, ctx.tokenizer
+    readout = ig.Readout(model)  # one for every call, as over a dataset
     for subject, other in (("France", "Japan"),):
         clean = tokenizer(f"The capital of {subject} is the city of", return_tensors="pt").input_ids
         corrupted = tokenizer(f"The capital of {other} is the city of", return_tensors="pt").input_ids
         target = tokenizer(" Paris", add_special_tokens=False).input_ids[0]
         S, steps = clean.shape[1], igcf.DEFAULT_STEPS
-        fns = {"states": lambda: igcf.counterfactual_graph(model, clean, corrupted, target, parts=False),
-               "parts": lambda: igcf.counterfactual_graph(model, clean, corrupted, target, edges=True),
-               "eap_ig": _eap_ig_passes(model, clean, corrupted, target, steps),
-               "atp": lambda: igc.atp_states(model, clean, corrupted, target)}
+
+        def graph(dtype, **kwargs):
+            return lambda: igcf.counterfactual_graph(model, clean, corrupted, target, dtype=dtype, readout=readout,
+                                                     **kwargs)
+        rows = {"states": (torch.float64, dict(parts=False)), "parts": (torch.float64, dict(edges=True)),
+                "states32": (torch.float32, dict(parts=False)), "parts32": (torch.float32, dict(edges=True)),
+                "states32_m16": (torch.float32, dict(parts=False, steps=steps))}
+        fns = {name: graph(dtype, **kwargs) for name, (dtype, kwargs) in rows.items()}
+        fns["eap_ig"] = _eap_ig_passes(model, clean, corrupted, target, steps)
+        fns["atp"] = lambda: igc.atp_states(model, clean, corrupted, target)
         best = best_of(fns, ctx.args.repeats, ctx.device)
-        for name, what in (("states", "states only"), ("parts", "with heads, neurons and edges")):
+        for name, (dtype, kwargs) in rows.items():
+            m = kwargs.get("steps", igcf.DEFAULT_STEPS if dtype == torch.float64 else igcf.FLOAT32_STEPS)
+            what = "states only" if kwargs.get("parts") is False else "with heads, neurons and edges"
             ratio = best[name] / best["eap_ig"]
-            add(f"16. counterfactual graph of one fact ({S} tokens, {what}, m = {steps} per sublayer, float64) vs "
-                f"EAP-IG's {steps} forward and backward passes (inputs, float32)", fmt_time(best[name]),
-                fmt_time(best["eap_ig"]), f"{ratio:.2f}x the time", "<= 1x", ratio <= 1.0)
+            add(f"16. counterfactual graph of one fact ({S} tokens, {what}, m = {m} per sublayer to start, "
+                f"{str(dtype)[6:]}) vs EAP-IG's {steps} forward and backward passes (inputs, float32)",
+                fmt_time(best[name]), fmt_time(best["eap_ig"]), f"{ratio:.2f}x the time", "<= 1x", ratio <= 1.0)
+        exact, fast = graph(torch.float64, parts=False)(), graph(torch.float32, parts=False)()
+        moved = float((fast.carried - exact.carried).abs().sum() / exact.carried.abs().sum())
+        add(f"16. the float32 chain (m = {igcf.FLOAT32_STEPS}): whole gap relative to |delta|; its map against the "
+            "float64 chain's (relative L1)", f"{abs(fast.gap / fast.delta):.1e}; {moved:.1e}", "", "",
+            f"gap <= {igcf.FLOAT32_TOLERANCE:g} a sublayer")
         add(f"16. AtP per state ({S} tokens) vs EAP-IG's {steps} passes, for scale", fmt_time(best["atp"]),
             fmt_time(best["eap_ig"]), f"{best['atp'] / best['eap_ig']:.2f}x the time")
 

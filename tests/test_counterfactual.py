@@ -10,7 +10,7 @@ from torch.func import jvp
 import iglens_core as ig
 import iglens_counterfactual as igcf
 import iglens_facts as igf
-from conftest import sharp_model, tiny_model
+from conftest import order_tolerance, sharp_model, tiny_model
 
 ARCHS = ["llama", "qwen2", "gemma3", "gpt2"]
 
@@ -91,6 +91,46 @@ def test_float32_model_gap_at_default_steps(arch):
     eps = torch.finfo(torch.float32).eps
     assert graph.delta == pytest.approx(graph.delta_model, abs=64 * eps)  # two probabilities <= 1, float32
     assert graph.rebuild < 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float32_chain(arch):
+    """dtype=torch.float32 (the fast path): every cut adds up to delta within its reported gaps (each refined to
+    FLOAT32_TOLERANCE of |delta|) plus the float32 rounding of the row sums; the parts add up by the chain rule
+    within float32 rounding; the map is the float64 chain's within float32 rounding carried through the blocks."""
+    model = sharp_model(arch, seed=3)
+    clean, corrupted = _pair(model, at=2, seed=6)
+    target = _target(model, clean)
+    ref = igcf.counterfactual_graph(model, clean, corrupted, target, edges=True)
+    graph = igcf.counterfactual_graph(model, clean, corrupted, target, edges=True, dtype=torch.float32)
+    assert graph.states.dtype == torch.float32 and graph.carried.dtype == torch.float64
+    n, S, d = graph.n_layers, clean.shape[1], graph.states.shape[-1]
+    # each row sum is S * d float32 products summed in float32 (order_tolerance: eps * length * sum |terms|)
+    d_states = graph.states[0] - graph.states[1]
+    terms = (graph.cotangents * d_states).abs().sum((-1, -2)).double()  # (n+1,) sum |terms| of each row
+    refined = ((graph.gaps.abs() <= igcf.FLOAT32_TOLERANCE * abs(graph.delta)) | (graph.steps == igcf.MAX_STEPS)).all()
+    assert refined
+    above = torch.cat([graph.gaps.sum(1).flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])
+    rows = graph.carried.sum(1)
+    bound = torch.tensor([order_tolerance(torch.float32, float(t), S * d) for t in terms])
+    assert ((rows - graph.delta - above - graph.gap_readout).abs() <= bound).all()
+    assert abs(graph.gap) <= (2 * n + 1) * igcf.FLOAT32_TOLERANCE * abs(graph.delta) + float(bound[0])
+    heads_scale = float(graph.edges.abs().sum((-1, -2)).max())
+    torch.testing.assert_close(graph.edges.sum((-1, -2)), graph.heads, rtol=0,
+                               atol=order_tolerance(torch.float32, heads_scale, 3 * S))
+    # against float64: float32 rounding (eps * d per product) through every sublayer's Jacobian, 2n of them
+    scale = float(ref.carried.abs().max())
+    atol = order_tolerance(torch.float32, scale, d) * 2 * n * 4  # 4: the widening of one sublayer's products
+    torch.testing.assert_close(graph.carried, ref.carried, rtol=0, atol=atol)
+    assert graph.first == ref.first and (graph.carried[:, :graph.first] == 0).all()
+
+
+def test_bad_dtype_and_readout():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="dtype must be torch.float64 or torch.float32"):
+        igcf.counterfactual_graph(model, *_pair(model), 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="readout comes from another model"):
+        igcf.counterfactual_graph(model, *_pair(model), 1, readout=ig.Readout(tiny_model("llama", seed=9)))
 
 
 def _rms(x, weight, eps):
