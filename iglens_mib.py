@@ -152,7 +152,7 @@ def length_batches(items: Sequence[IOIItem], batch_size: int) -> list[list[int]]
     return [rows[k:k + batch_size] for _, rows in sorted(by_length.items()) for k in range(0, len(rows), batch_size)]
 
 
-def _stack(items: Sequence[IOIItem], rows: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def stack_items(items: Sequence[IOIItem], rows: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(clean (B, S), corrupted (B, S), labels (B, 2))`` long tensors on ``device``."""
     clean = torch.stack([items[i].clean_ids for i in rows]).to(device)
     corrupted = torch.stack([items[i].corrupted_ids for i in rows]).to(device)
@@ -177,7 +177,7 @@ def logit_diffs(model, items: Sequence[IOIItem], *, corrupted: bool = False, bat
     """(N,) the model's logit difference (answer - foil) on each item's clean (or counterfactual) prompt."""
     device, out = next(model.parameters()).device, np.zeros(len(items))
     for rows in length_batches(items, batch_size):
-        clean, corr, labels = _stack(items, rows, device)
+        clean, corr, labels = stack_items(items, rows, device)
         out[rows] = logit_diff(_plain_logits(model, corr if corrupted else clean), labels).cpu().numpy()
     return out
 
@@ -566,7 +566,7 @@ def _receiver_cols(graph: MIBGraph, layer: int, group: str) -> slice:
     return slice(start, start + graph.n_heads)
 
 
-def _hooks(model, graph: MIBGraph, layers: list, mixer: _Mixer) -> list:
+def edge_hooks(model, graph: MIBGraph, layers: list, mixer: _Mixer) -> list:
     """The hooks that make the model's forward MIB's edge-patched forward (see the module docstring)."""
     adapter, handles = get_adapter(model), []
 
@@ -629,7 +629,7 @@ def _hooks(model, graph: MIBGraph, layers: list, mixer: _Mixer) -> list:
 
 
 @contextmanager
-def _ungrouped(layers: list):
+def ungrouped(layers: list):
     """Every query head reads its own key and value (MIB's ``ungroup_grouped_query_attention``): the
     attention's ``num_key_value_groups`` is 1 for the duration."""
     saved = [(part.attn, part.attn.num_key_value_groups) for part in layers
@@ -643,9 +643,9 @@ def _ungrouped(layers: list):
 
 def _run(model, graph: MIBGraph, layers: list, ids: torch.Tensor, mixer: _Mixer) -> torch.Tensor:
     """(B, V) last-position logits of the model's forward on ``ids`` (B, S) with ``mixer``'s receivers."""
-    handles = _hooks(model, graph, layers, mixer)
+    handles = edge_hooks(model, graph, layers, mixer)
     try:
-        with eager_attention(model), _ungrouped(layers):
+        with eager_attention(model), ungrouped(layers):
             out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
         [handle.remove() for handle in handles]
@@ -686,7 +686,7 @@ class Evaluation:
         self.graph, self.layers = MIBGraph.from_model(model), model_layers(model)
         self.batches = []
         for rows in length_batches(self.items, batch_size):
-            clean, corrupted, labels = _stack(self.items, rows, next(model.parameters()).device)
+            clean, corrupted, labels = stack_items(self.items, rows, next(model.parameters()).device)
             self.batches.append((rows, clean, labels, record_acts(model, self.graph, self.layers, corrupted)[0]))
         self.m_full = logit_diffs(model, self.items, batch_size=batch_size)
         self.m_empty = self.circuit_metric(torch.zeros(self.graph.n_forward, self.graph.n_backward))
@@ -742,9 +742,9 @@ def cpr_cmd(evaluation: Evaluation, scores, percentages: Sequence[float] = PERCE
 
 # ---- 4. Methods: a (n_forward, n_backward) score per edge ----
 
-def _contract(graph: MIBGraph, diff: torch.Tensor, grads: dict) -> torch.Tensor:
-    """(n_forward, n_backward) sum over items, positions and width of ``diff`` (B, S, n_forward, d) times
-    each receiver's input gradient (``grads``: group -> (B, S, R, d)), on the graph's edges."""
+def contract(graph: MIBGraph, diff: torch.Tensor, grads: dict) -> torch.Tensor:
+    """(n_forward, n_backward) float64 sum over items, positions and width of ``diff`` (B, S, n_forward, d)
+    times each receiver's input gradient (``grads``: group -> (B, S, R, d)), on the graph's edges."""
     cols, parts = [], []
     for key, g in grads.items():
         cols.extend(range(graph.n_backward)[slice(-1, None) if key == ("logits",) else
@@ -753,7 +753,7 @@ def _contract(graph: MIBGraph, diff: torch.Tensor, grads: dict) -> torch.Tensor:
     g = torch.cat(parts, 2)  # (B, S, n_backward, d) in ``cols`` order
     out = torch.zeros(graph.n_forward, graph.n_backward, dtype=torch.float64)
     out[:, cols] = torch.einsum("bsfd,bsrd->fr", diff.double(), g.double()).cpu()
-    return (out * graph.real).float()
+    return out * graph.real
 
 
 def _gradients(model, graph, layers, ids, labels, overrides=None) -> dict:
@@ -784,7 +784,7 @@ def eap_scores(model, graph, layers, clean, corrupted, labels) -> torch.Tensor:
     corr, _ = record_acts(model, graph, layers, corrupted)
     clean_acts, _ = record_acts(model, graph, layers, clean)
     grads = _gradients(model, graph, layers, clean, labels)
-    return _contract(graph, clean_acts.flat() - corr.flat(), grads)
+    return contract(graph, clean_acts.flat() - corr.flat(), grads)
 
 
 def eap_ig_inputs_scores(model, graph, layers, clean, corrupted, labels, steps: int = IG_STEPS) -> torch.Tensor:
@@ -799,7 +799,7 @@ def eap_ig_inputs_scores(model, graph, layers, clean, corrupted, labels, steps: 
     rows = torch.ones(steps * B, dtype=torch.bool, device=clean.device)
     grads = _gradients(model, graph, layers, _repeat(clean, steps), _repeat(labels, steps), {("input",): (rows, path)})
     grads = {k: g.unflatten(0, (steps, B)).sum(0) / steps for k, g in grads.items()}
-    return _contract(graph, clean_acts.flat() - corr.flat(), grads)
+    return contract(graph, clean_acts.flat() - corr.flat(), grads)
 
 
 def eap_ig_activations_scores(model, graph, layers, clean, corrupted, labels, steps: int = IG_STEPS,
@@ -831,7 +831,7 @@ def eap_ig_activations_scores(model, graph, layers, clean, corrupted, labels, st
         grads = _gradients(model, graph, layers, _repeat(clean, len(part)), _repeat(labels, len(part)), overrides)
         total = _add(total, grads, len(part), B)
     total = {k: g / len(runs) for k, g in total.items()}
-    return _contract(graph, clean_acts.flat() - corr.flat(), total)
+    return contract(graph, clean_acts.flat() - corr.flat(), total)
 
 
 def random_scores(graph: MIBGraph, seed: int = 0) -> torch.Tensor:
@@ -860,7 +860,7 @@ def edge_scores(model, items: Sequence[IOIItem], method: str, *, steps: int = IG
         return Scores(random_scores(graph, seed), 0.0, method)
     device, total = next(model.parameters()).device, torch.zeros(graph.n_forward, graph.n_backward)
     for rows in length_batches(items, batch_size):
-        args = (model, graph, layers, *_stack(items, rows, device))
+        args = (model, graph, layers, *stack_items(items, rows, device))
         total += (eap_scores(*args) if method == "EAP" else eap_ig_inputs_scores(*args, steps)
                   if method == "EAP-IG-inputs" else eap_ig_activations_scores(*args, steps))
     return Scores(total / len(items), (time.perf_counter() - start) / len(items), method)

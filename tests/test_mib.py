@@ -286,7 +286,7 @@ def test_ig_variants_at_one_step():
     assert not torch.allclose(acts, eap, rtol=1e-3)
     inputs = mib.eap_ig_inputs_scores(model, graph, layers, clean, corrupted, labels, steps=1)
     diff = mib.record_acts(model, graph, layers, clean)[0].flat() - mib.record_acts(model, graph, layers, corrupted)[0].flat()
-    at_corrupted = mib._contract(graph, diff, mib._gradients(model, graph, layers, corrupted, labels))
+    at_corrupted = mib.contract(graph, diff, mib._gradients(model, graph, layers, corrupted, labels))
     assert torch.allclose(inputs, at_corrupted, rtol=1e-6, atol=1e-9)
     assert not torch.allclose(inputs, eap, rtol=1e-3)
     more = mib.eap_ig_inputs_scores(model, graph, layers, clean, corrupted, labels, steps=3)

@@ -1,0 +1,211 @@
+"""The exact counterfactual graph on MIB's edges (issues 43 and 44): each edge's share of the logit difference
+``f(clean) - f(corrupted)``, complete at every node.
+
+MIB's graph (:class:`iglens_mib.MIBGraph`) is a DAG of nodes: ``input``, every head ``a{L}.h{h}`` (a function of
+its own query, key and value inputs, ungrouped as MIB does), every MLP ``m{L}`` and ``logits`` (MIB's logit
+difference read through the final norm and the head). Every receiver's input is the sum of the earlier
+senders' outputs. This module linearises each node along the straight path between its receivers' inputs in
+the corrupted run and in the clean run (all positions at once, so the softmax stays inside the integral and
+queries and keys get credit), ``out_v(clean) - out_v(corrupted) = Jbar_v (in_v(clean) - in_v(corrupted))`` by
+the gradient theorem, and composes top-down: the cotangent on a node's output is the sum of the cotangents
+on the receivers it feeds, ``cot_in(v) = Jbar_v^T cot_out(v)``, starting from the logits node. An edge u -> v
+holds ``<cot_in(v), out_u(clean) - out_u(corrupted)>`` (summed over positions and items), so:
+
+- the edges into the logits add up to ``Delta f`` (up to the readout's quadrature gap);
+- for every node, the edges into it add up to the edges out of it (up to its own quadrature gap), and
+  the edges out of ``input`` add up to ``Delta f`` (up to every gap): complete at every node;
+- the scores are in MIB's (n_forward, n_backward) layout (``iglens_mib.contract``), so they plug into
+  ``iglens_mib``'s circuits and faithfulness like EAP and EAP-IG, whose sign convention they share.
+
+Each node is integrated with ``steps`` Gauss-Legendre nodes (the attention nodes of one block together:
+they share one path); ``gaps`` reports every node's gap. Blocks with a post-attention norm (Gemma 2/3)
+are refused: their heads' outputs do not add up in the residual, so a head is not a node of this DAG.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from iglens_core import eager_attention, get_adapter, quadrature
+from iglens_mib import (IG_STEPS, Acts, MIBGraph, contract, edge_hooks, length_batches, logit_diff, model_layers,
+                        record_acts, score_table as mib_score_table, stack_items, ungrouped)
+
+STEPS = 8  # Gauss-Legendre nodes per node of the DAG (one block's heads share them)
+METHOD = "counterfactual graph"  # its name among iglens_mib's methods in score_table
+
+
+class CounterfactualEdges(NamedTuple):
+    """Edge scores (n_forward, n_backward), summed over the items; ``delta`` (B,) each item's logit
+    difference change; ``gaps``: ``{"logits": the readout's gap, "input": (edges out of input) - delta, "nodes":
+    the largest |in - out| over the nodes}``, summed over items, in logits."""
+    scores: torch.Tensor
+    delta: torch.Tensor
+    gaps: dict
+
+
+class _Local:
+    """The receivers' inputs of one attention call (what ``edge_hooks``' projection hooks read) and the
+    heads' outputs it writes (``put_attn``)."""
+
+    def __init__(self):
+        self.inputs, self.heads = {}, None
+
+    def mix(self, key, cols):
+        return self.inputs[key]
+
+    def put_attn(self, layer, heads):
+        self.heads = heads
+
+
+@functools.lru_cache(maxsize=16)
+def _nodes(steps: int, dtype: torch.dtype):
+    return tuple(t.to(dtype) for t in quadrature("gauss_legendre", steps))
+
+
+def _record_calls(model, layers: list, ids: torch.Tensor) -> list:
+    """Each attention module's call (args after the hidden states, kwargs) in a plain eager pass of ``ids``."""
+    calls, handles = [None] * len(layers), []
+    for L, part in enumerate(layers):
+        handles.append(part.attn.register_forward_pre_hook(
+            lambda m, a, k, L=L: calls.__setitem__(L, (a[1:], {n: v for n, v in k.items() if n != "hidden_states"})),
+            with_kwargs=True))
+    try:
+        with torch.no_grad(), eager_attention(model):
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    finally:
+        [h.remove() for h in handles]
+    return calls
+
+
+def _residuals(acts: Acts, layers: list) -> tuple[list, list, torch.Tensor]:
+    """The receivers' inputs with every edge in: before each block's attention, before its MLP, and the
+    final norm's input, (B, S, d) each."""
+    x, before_attn, before_mlp = acts.input, [], []
+    for L, part in enumerate(layers):
+        before_attn.append(x)
+        x = x + acts.attn[L].sum(2) + (part.bo.to(x) if part.bo is not None else 0)
+        before_mlp.append(x)
+        x = x + acts.mlp[L]
+    return before_attn, before_mlp, x
+
+
+def _along(start: torch.Tensor, end: torch.Tensor, steps: int):
+    """The path points (steps * B, ...) and the weights (steps,)."""
+    alphas, weights = _nodes(steps, start.dtype)
+    points = start[None] + alphas.view(-1, *([1] * start.dim())) * (end - start)[None]
+    return points.flatten(0, 1), weights
+
+
+def _weighted(grad: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(steps * B, ...) gradients -> (B, ...) their quadrature sum."""
+    grad = grad.unflatten(0, (len(weights), -1))
+    return torch.einsum("k...,k->...", grad, weights.to(grad))
+
+
+@torch.no_grad()
+def _batch(model, graph: MIBGraph, layers: list, clean, corrupted, labels, steps: int):
+    """One length batch: ``(scores, delta (B,), gaps)``."""
+    adapter = get_adapter(model)
+    acts = [record_acts(model, graph, layers, ids)[0] for ids in (clean, corrupted)]
+    (a_clean, m_clean, n_clean), (a_bad, m_bad, n_bad) = (_residuals(a, layers) for a in acts)
+    calls = _record_calls(model, layers, clean[:1])  # batch 1: its masks and rotary tables broadcast
+    B, S, d = n_clean.shape
+    grads = {}
+
+    def readout(x):  # (B', S, d) final-norm inputs -> (B',) logit differences at the last position
+        return logit_diff(adapter.head(adapter.norm(x[:, -1:]))[:, -1], labels.repeat(len(x) // B, 1))
+
+    def backward(fn, start, end, cot):
+        """``sum_k w_k J_fn(x_k)^T cot`` on the straight path start -> end; fn returns outputs matching ``cot``."""
+        points, weights = _along(start, end, steps)
+        points.requires_grad_(True)
+        with torch.enable_grad():
+            out = fn(points)
+            (g,) = torch.autograd.grad((out * cot.repeat(steps, *([1] * (cot.dim() - 1)))).sum(), points)
+        return _weighted(g, weights)
+
+    with torch.enable_grad():
+        points, weights = _along(n_bad, n_clean, steps)
+        points.requires_grad_(True)
+        (g,) = torch.autograd.grad(readout(points).sum(), points)
+    cot_logits = _weighted(g, weights)  # (B, S, d): zero but at the last position
+    grads[("logits",)] = cot_logits[:, :, None]
+    delta = (readout(n_clean) - readout(n_bad)).double()
+    gaps = {"logits": float((cot_logits * (n_clean - n_bad)).sum() - delta.sum())}
+    node_gaps, total = [], cot_logits.clone()  # total: the cotangent on every sender's output written so far
+    for L in reversed(range(graph.n_layers)):
+        part = layers[L]
+
+        def mlp(x):
+            y = part.mlp(part.mlp_norm(x))
+            return part.post_mlp(y) if part.post_mlp is not None else y
+        cot = backward(mlp, m_bad[L], m_clean[L], total)
+        grads[("mlp", L)] = cot[:, :, None]
+        node_gaps.append(float((cot * (m_clean[L] - m_bad[L])).sum() - (total * (acts[0].mlp[L] - acts[1].mlp[L])).sum()))
+        total = total + cot
+        # the block's heads: every head's q, k and v input on the same path, the outputs per head
+        local, (args, kwargs) = _Local(), calls[L]
+        points, weights = _along(a_bad[L], a_clean[L], steps)
+        leaves = {g: points[:, :, None].expand(-1, -1, graph.n_heads, -1).clone().requires_grad_(True) for g in "qkv"}
+        local.inputs = {("attn", L, g): leaves[g] for g in "qkv"}
+        handles = edge_hooks(model, graph, layers, local)
+        try:
+            with torch.enable_grad(), eager_attention(model), ungrouped(layers):
+                part.attn(points, *args, **kwargs)
+                objective = (local.heads * total.repeat(steps, 1, 1)[:, :, None]).sum()
+                head_grads = torch.autograd.grad(objective, [leaves[g] for g in "qkv"])
+        finally:
+            [h.remove() for h in handles]
+        d_in = (a_clean[L] - a_bad[L])[:, :, None]
+        d_out = (acts[0].attn[L] - acts[1].attn[L])  # (B, S, H, d)
+        for g, grad in zip("qkv", head_grads):
+            grads[("attn", L, g)] = _weighted(grad, weights)
+        inflow = sum((grads[("attn", L, g)] * d_in).sum((0, 1, 3)) for g in "qkv")  # (H,)
+        node_gaps.append(float((inflow - (total[:, :, None] * d_out).sum((0, 1, 3))).abs().max()))
+        total = total + sum(grads[("attn", L, g)].sum(2) for g in "qkv")
+    gaps["input"] = float((total * (acts[0].input - acts[1].input)).sum() - delta.sum())
+    gaps["nodes"] = max(abs(v) for v in node_gaps)
+    diff = acts[0].flat() - acts[1].flat()
+    return contract(graph, diff, grads), delta, gaps
+
+
+def counterfactual_edges(model, items: Sequence, *, steps: int = STEPS, batch_size: int = 8) -> CounterfactualEdges:
+    """The counterfactual graph's MIB edge scores over IOI ``items`` (:func:`iglens_mib.ioi_items`), summed
+    over the items (divide by ``len(items)`` for MIB's mean), with ``steps`` Gauss-Legendre nodes per node."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 256:
+        raise ValueError(f"steps must be an integer in 1..256, got {steps!r}")
+    if not items:
+        raise ValueError("items must hold at least one IOI item, got none")
+    graph, layers = MIBGraph.from_model(model), model_layers(model)
+    if any(part.post_attn is not None for part in layers):
+        raise ValueError(f"{type(model).__name__}: a post-attention norm makes the heads' outputs not add up in the "
+                         "residual, so a head is not a node of MIB's graph here; the counterfactual edges need blocks "
+                         "without one (Llama, Qwen2/3, Mistral, GPT-2)")
+    device = next(model.parameters()).device
+    total, deltas, gaps = torch.zeros(graph.n_forward, graph.n_backward, dtype=torch.float64), [], {}
+    for rows in length_batches(items, batch_size):
+        scores, delta, batch_gaps = _batch(model, graph, layers, *stack_items(items, rows, device), steps)
+        total += scores.double()
+        deltas.append(delta)
+        gaps = {k: gaps.get(k, 0.0) + v if k != "nodes" else max(gaps.get(k, 0.0), v) for k, v in batch_gaps.items()}
+    return CounterfactualEdges(total, torch.cat(deltas), gaps)
+
+
+def score_table(model, items: Sequence, methods: Sequence[str], *, steps: int = IG_STEPS, graph_steps: int = STEPS,
+                batch_size: int = 8) -> dict:
+    """:func:`iglens_mib.score_table` with the counterfactual graph as one more method (:data:`METHOD`, at
+    ``graph_steps``); its gaps, summed over the items, go in ``seconds`` as ``"<METHOD> gap: input"`` etc."""
+    table = mib_score_table(model, items, [m for m in methods if m != METHOD], steps=steps, batch_size=batch_size)
+    if METHOD in methods:
+        graph, start = MIBGraph.from_model(model), time.perf_counter()
+        result = counterfactual_edges(model, items, steps=graph_steps, batch_size=batch_size)
+        table["scores"][METHOD] = result.scores[graph.edge_src, graph.edge_dst].float().numpy()
+        table["seconds"][METHOD] = [(time.perf_counter() - start) / len(items)]
+        for name, value in result.gaps.items():
+            table["seconds"][f"{METHOD} gap: {name}"] = [value]
+        table["seconds"][f"{METHOD}: delta"] = [float(result.delta.sum())]
+    return table
