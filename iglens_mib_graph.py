@@ -18,8 +18,13 @@ holds ``<cot_in(v), out_u(clean) - out_u(corrupted)>`` (summed over positions an
   ``iglens_mib``'s circuits and faithfulness like EAP and EAP-IG, whose sign convention they share.
 
 Each node is integrated with ``steps`` Gauss-Legendre nodes (the attention nodes of one block together:
-they share one path); ``gaps`` reports every node's gap. Blocks with a post-attention norm (Gemma 2/3)
-are refused: their heads' outputs do not add up in the residual, so a head is not a node of this DAG.
+they share one path); ``gaps`` reports every node's gap.
+
+A post-attention norm (Gemma 2/3) ``P`` sits between a block's heads and the residual, and MIB's harness
+applies it to the blended sum of the heads (``iglens_mib``). It is linearised the same way, on the straight
+path from the corrupted run's head sum ``A'`` to the clean run's ``A``: ``P(A) - P(A') = Pbar (A - A')`` with
+``A - A' = sum_h (o_h - o'_h)``, so head h's output difference in the residual is ``Pbar (o_h - o'_h)``
+(what its edges are scored on) and these add up to the block's own change exactly.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from iglens_core import eager_attention, get_adapter, quadrature
+from iglens_core import Readout, eager_attention, quadrature
 from iglens_mib import (IG_STEPS, Acts, MIBGraph, contract, edge_hooks, length_batches, logit_diff, model_layers,
                         record_acts, score_table as mib_score_table, stack_items, ungrouped)
 
@@ -81,13 +86,20 @@ def _record_calls(model, layers: list, ids: torch.Tensor) -> list:
     return calls
 
 
+def _head_sum(acts: Acts, part, L: int) -> torch.Tensor:
+    """(B, S, d) block ``L``'s heads' outputs summed, with the output bias (before a post-attention norm)."""
+    total = acts.attn[L].sum(2)
+    return total + part.bo.to(total) if part.bo is not None else total
+
+
 def _residuals(acts: Acts, layers: list) -> tuple[list, list, torch.Tensor]:
     """The receivers' inputs with every edge in: before each block's attention, before its MLP, and the
     final norm's input, (B, S, d) each."""
     x, before_attn, before_mlp = acts.input, [], []
     for L, part in enumerate(layers):
         before_attn.append(x)
-        x = x + acts.attn[L].sum(2) + (part.bo.to(x) if part.bo is not None else 0)
+        total = _head_sum(acts, part, L)
+        x = x + (part.post_attn(total) if part.post_attn is not None else total)
         before_mlp.append(x)
         x = x + acts.mlp[L]
     return before_attn, before_mlp, x
@@ -106,10 +118,19 @@ def _weighted(grad: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.einsum("k...,k->...", grad, weights.to(grad))
 
 
+def _pushed(norm, start: torch.Tensor, end: torch.Tensor, tangents: torch.Tensor, steps: int) -> torch.Tensor:
+    """``sum_k w_k J_norm(x_k) t_h`` for every head's tangent ``t_h``: ``start``, ``end`` (B, S, d), ``tangents``
+    (B, S, H, d) -> (B, S, H, d), the heads' output differences pushed through the norm's path-averaged Jacobian."""
+    points, weights = _along(start, end, steps)  # (steps * B, S, d)
+    H = tangents.shape[2]
+    primal = points[:, :, None].expand(-1, -1, H, -1).contiguous()
+    _, pushed = torch.func.jvp(norm, (primal,), (tangents.repeat(steps, 1, 1, 1),))
+    return _weighted(pushed, weights)
+
+
 @torch.no_grad()
-def _batch(model, graph: MIBGraph, layers: list, clean, corrupted, labels, steps: int):
-    """One length batch: ``(scores, delta (B,), gaps)``."""
-    adapter = get_adapter(model)
+def _batch(model, graph: MIBGraph, layers: list, head: Readout, clean, corrupted, labels, steps: int):
+    """One length batch: ``(scores, delta (B,), gaps)``; ``head`` the model's last step (soft-cap included)."""
     acts = [record_acts(model, graph, layers, ids)[0] for ids in (clean, corrupted)]
     (a_clean, m_clean, n_clean), (a_bad, m_bad, n_bad) = (_residuals(a, layers) for a in acts)
     calls = _record_calls(model, layers, clean[:1])  # batch 1: its masks and rotary tables broadcast
@@ -117,7 +138,7 @@ def _batch(model, graph: MIBGraph, layers: list, clean, corrupted, labels, steps
     grads = {}
 
     def readout(x):  # (B', S, d) final-norm inputs -> (B',) logit differences at the last position
-        return logit_diff(adapter.head(adapter.norm(x[:, -1:]))[:, -1], labels.repeat(len(x) // B, 1))
+        return logit_diff(head.logits(x[:, -1]), labels.repeat(len(x) // B, 1))
 
     def backward(fn, start, end, cot):
         """``sum_k w_k J_fn(x_k)^T cot`` on the straight path start -> end; fn returns outputs matching ``cot``."""
@@ -137,6 +158,7 @@ def _batch(model, graph: MIBGraph, layers: list, clean, corrupted, labels, steps
     delta = (readout(n_clean) - readout(n_bad)).double()
     gaps = {"logits": float((cot_logits * (n_clean - n_bad)).sum() - delta.sum())}
     node_gaps, total = [], cot_logits.clone()  # total: the cotangent on every sender's output written so far
+    diffs = {L: acts[0].attn[L] - acts[1].attn[L] for L in range(graph.n_layers)}  # (B, S, H, d) in the residual
     for L in reversed(range(graph.n_layers)):
         part = layers[L]
 
@@ -153,15 +175,20 @@ def _batch(model, graph: MIBGraph, layers: list, clean, corrupted, labels, steps
         leaves = {g: points[:, :, None].expand(-1, -1, graph.n_heads, -1).clone().requires_grad_(True) for g in "qkv"}
         local.inputs = {("attn", L, g): leaves[g] for g in "qkv"}
         handles = edge_hooks(model, graph, layers, local)
+        head_cot = total  # the cotangent on each head's output
+        if part.post_attn is not None:
+            A_bad, A_clean = _head_sum(acts[1], part, L), _head_sum(acts[0], part, L)
+            head_cot = backward(part.post_attn, A_bad, A_clean, total)
+            diffs[L] = _pushed(part.post_attn, A_bad, A_clean, diffs[L], steps)
         try:
             with torch.enable_grad(), eager_attention(model), ungrouped(layers):
                 part.attn(points, *args, **kwargs)
-                objective = (local.heads * total.repeat(steps, 1, 1)[:, :, None]).sum()
+                objective = (local.heads * head_cot.repeat(steps, 1, 1)[:, :, None]).sum()
                 head_grads = torch.autograd.grad(objective, [leaves[g] for g in "qkv"])
         finally:
             [h.remove() for h in handles]
         d_in = (a_clean[L] - a_bad[L])[:, :, None]
-        d_out = (acts[0].attn[L] - acts[1].attn[L])  # (B, S, H, d)
+        d_out = diffs[L]  # (B, S, H, d)
         for g, grad in zip("qkv", head_grads):
             grads[("attn", L, g)] = _weighted(grad, weights)
         inflow = sum((grads[("attn", L, g)] * d_in).sum((0, 1, 3)) for g in "qkv")  # (H,)
@@ -169,7 +196,8 @@ def _batch(model, graph: MIBGraph, layers: list, clean, corrupted, labels, steps
         total = total + sum(grads[("attn", L, g)].sum(2) for g in "qkv")
     gaps["input"] = float((total * (acts[0].input - acts[1].input)).sum() - delta.sum())
     gaps["nodes"] = max(abs(v) for v in node_gaps)
-    diff = acts[0].flat() - acts[1].flat()
+    diff = Acts(acts[0].input - acts[1].input, [diffs[L] for L in range(graph.n_layers)],
+                [m - m_ for m, m_ in zip(acts[0].mlp, acts[1].mlp)]).flat()
     return contract(graph, diff, grads), delta, gaps
 
 
@@ -181,14 +209,10 @@ def counterfactual_edges(model, items: Sequence, *, steps: int = STEPS, batch_si
     if not items:
         raise ValueError("items must hold at least one IOI item, got none")
     graph, layers = MIBGraph.from_model(model), model_layers(model)
-    if any(part.post_attn is not None for part in layers):
-        raise ValueError(f"{type(model).__name__}: a post-attention norm makes the heads' outputs not add up in the "
-                         "residual, so a head is not a node of MIB's graph here; the counterfactual edges need blocks "
-                         "without one (Llama, Qwen2/3, Mistral, GPT-2)")
-    device = next(model.parameters()).device
+    device, head = next(model.parameters()).device, Readout(model)
     total, deltas, gaps = torch.zeros(graph.n_forward, graph.n_backward, dtype=torch.float64), [], {}
     for rows in length_batches(items, batch_size):
-        scores, delta, batch_gaps = _batch(model, graph, layers, *stack_items(items, rows, device), steps)
+        scores, delta, batch_gaps = _batch(model, graph, layers, head, *stack_items(items, rows, device), steps)
         total += scores.double()
         deltas.append(delta)
         gaps = {k: gaps.get(k, 0.0) + v if k != "nodes" else max(gaps.get(k, 0.0), v) for k, v in batch_gaps.items()}

@@ -4,6 +4,7 @@ edges out of the input add up to the change), and each head's inflow equal to th
 graph's head share (iglens_counterfactual, an independent construction: float64 block copies, its own attention)."""
 import pytest
 import torch
+import transformers
 
 import iglens_counterfactual as igcf
 import iglens_mib as mib
@@ -11,7 +12,7 @@ import iglens_mib_graph as igmg
 from conftest import tiny_model
 from test_mib import pair
 
-ARCHS = ["llama", "gpt2"]  # GQA and rotary; fused c_attn with biases
+ARCHS = ["llama", "gpt2", "gemma3"]  # GQA and rotary; fused c_attn with biases; q/k norms, post-norms, soft-cap
 LABELS = torch.tensor([[5, 9], [3, 7]])
 
 
@@ -24,6 +25,9 @@ def float64_softmax(monkeypatch):
     def softmax(input, dim=None, _stacklevel=3, dtype=None):
         return original(input, dim=dim, dtype=None if input.dtype == torch.float64 else dtype)
     monkeypatch.setattr(torch.nn.functional, "softmax", softmax)
+    # Gemma 3's RMSNorm casts to float32 and back: kept in the input's dtype for a float64 model
+    norm = transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm
+    monkeypatch.setattr(norm, "forward", lambda self, x: self._norm(x) * (1.0 + self.weight.to(x)))
 
 
 def _items(model, clean, corrupted):
@@ -52,10 +56,12 @@ def test_complete_at_every_node(arch):
         assert float(inflow) == pytest.approx(float(scores[f].sum()), abs=1e-10 * scale), graph.nodes[f]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_heads_match_the_residual_counterfactual_graph(arch):
     """One item: each head's inflow (its q, k and v edges) equals iglens_counterfactual's head share for the
-    logit difference (log p(y) - log p(foil)), and each MLP's its neurons' share."""
+    logit difference (log p(y) - log p(foil)), and each MLP's its neurons' share. Not Gemma: there the
+    post-attention norm is linearised on its own path here (MIB's harness blends the heads before it), inside
+    the block's path there, two complete splits that differ."""
     model = tiny_model(arch, seed=2, dtype=torch.float64)
     graph = mib.MIBGraph.from_model(model)
     clean, corrupted = pair(seed=3, batch=1, length=7)
@@ -72,9 +78,7 @@ def test_heads_match_the_residual_counterfactual_graph(arch):
         assert float(mlp) == pytest.approx(float(reference.neurons[L].sum()), abs=1e-9 * scale), L
 
 
-def test_refused_and_bad_arguments():
-    with pytest.raises(ValueError, match="post-attention norm"):
-        igmg.counterfactual_edges(tiny_model("gemma3"), _items(None, *pair(batch=1)))
+def test_bad_arguments():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="steps must be an integer in 1..256"):
         igmg.counterfactual_edges(model, _items(model, *pair(batch=1)), steps=0)
