@@ -50,7 +50,7 @@ DPA_FRACTIONS = tuple(math.exp(-17.0 + 1.8 * i) for i in range(10))  # exp(-17),
 # the curves' fixed end points in the original's plot_ablation_results.ipynb (x, y)
 DPA_ANCHORS = {"disrupt": ((1e-10, 100.0),), "recover": ((1e-6, 0.0), (1.0, 100.0))}
 DPA_METHODS = ("ig_lens", "ig_lens_gauss", "ig_lens_graph", "mask_ig", "atp", "atp_prob", "atp_prob_last",
-               "attn_act", "mlp_act", "random", "exhaustive", "dpa")
+               "attn_act", "mlp_act", "random", "exhaustive", "dpa", "dpa_logprob")
 # earlier names, still accepted: "grad_x_act" was DPA's AtP (now "atp"), "atp_last" AtP on p at the last
 # position (now "atp_prob_last"); "activation" ranks attn_act's and |down projection input| together
 DPA_ALIASES = {"grad_x_act": "atp", "atp_last": "atp_prob_last"}
@@ -791,7 +791,9 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
       attention weights and ``|down projection input|`` in one ranking.
     - ``"random"``: standard normal draws (``seed``).
     - ``"dpa"``: Dual Path Attribution as the original runs it (:func:`dpa_attribution`, its default
-      weights), on the target logit, every edge and neuron at every position.
+      weights), on the target logit, every edge and neuron at every position. ``"dpa_logprob"``: the same
+      from the log-probability's start vector (``dpa_attribution(..., quantity="logprob")``), like for like
+      with the graph in log p.
     - ``"exhaustive"``: the drop ``p_base - p`` when one component alone is zeroed, for ``subset``
       components drawn (``seed``) from the edges at or below the diagonal and the neurons in the
       ``context``; the rest score 0. A reference ceiling on that subset only; ``subset + 1`` rows.
@@ -828,8 +830,9 @@ def dpa_scores(model, input_ids, target: int, method: str, *, seed: int = 0, ste
         return {"edges": graph.edges[:, :, :S, :S].double().cpu(), "neurons": graph.neurons[:, :S].double().cpu()}
     if method == "mask_ig":
         return _mask_ig(model, ids, target, mask_steps, quantity, context, batch_size, memory_budget, mask_rule).scores
-    if method == "dpa":
-        return {key: value for key, value in dpa_attribution(model, ids, target).items() if key in ("edges", "neurons")}
+    if method in ("dpa", "dpa_logprob"):
+        out = dpa_attribution(model, ids, target, quantity="logit" if method == "dpa" else "logprob")
+        return {key: out[key] for key in ("edges", "neurons")}
     if method == "random":
         rng = np.random.default_rng(seed)
         return {"edges": torch.from_numpy(rng.standard_normal((n, H, S, S))),

@@ -234,9 +234,13 @@ def _dpa_record(model, adapter, parts: list, ids: torch.Tensor) -> tuple[dict, d
     return store, extra
 
 
+DPA_QUANTITIES = ("logit", "logprob")  # the start vector: the target's logit (the original's) or its log-probability
+
+
 @torch.no_grad()
+
 def dpa_attribution(model, input_ids, target: int, *, weights: Optional[dict] = None,
-                    neurons_at: str = "mid") -> dict:
+                    neurons_at: str = "mid", quantity: str = "logit") -> dict:
     """Dual Path Attribution (DPA, arXiv 2603.19742) of one item: every attention edge and MLP neuron
     at every position, in the unit of the target logit (at the last position).
 
@@ -246,7 +250,11 @@ def dpa_attribution(model, input_ids, target: int, *, weights: Optional[dict] = 
     ``DPAComponentAttribution`` in ``experiments/attribution/component_attribution_modules.py`` runs them.
 
     Top: the target's unembedding row through the final norm at its recorded scale, at the last
-    position (the target logit's gradient w.r.t. ``h_n`` with the norm's denominator fixed). Then block
+    position (the target logit's gradient w.r.t. ``h_n`` with the norm's denominator fixed); with
+    ``quantity="logprob"`` the row of ``log p(target)`` instead, ``W_U^T g`` with ``g = d log p(target) / d u``
+    at the recorded head output ``u`` (``(e_target - p)``, times the soft-cap's and the logit scale's
+    derivatives), so that DPA splits the same first-order quantity a log-probability readout reads (a
+    start this repository adds; the original starts from the logit only). Then block
     n down to 1, one cotangent ``c`` on every residual state (every position), sent back along weighted paths:
 
     - MLP (``h_(L+1)`` to ``mid_L``): neuron cotangents ``c_m = W_down^T c`` (through a Gemma post-norm
@@ -292,12 +300,15 @@ def dpa_attribution(model, input_ids, target: int, *, weights: Optional[dict] = 
     Returns:
         ``{"edges": (n, H, S, S) [block, head, query, key], "neurons": (n, S, d_ff), "embeddings": (S,),
         "carried": (n+1, S) <c_L(s), h_L(s)>, "constants": (n+1,) credit of each block's biases (value path
-        and outputs) and, last, of the head's (final norm's beta, head bias), "logit": the target logit}``,
+        and outputs) and, last, of the head's (final norm's beta, head bias), "logit": the target logit (with
+        ``quantity="logprob"``: ``<g, u>``, the start vector's value, not log p)}``,
         float64 on the CPU; ``embeddings`` is ``carried[0]``, DPA's input attribution.
     """
     weights = _dpa_weights(weights)
     if neurons_at not in DPA_NEURONS_AT:
         raise ValueError(f"neurons_at must be one of {DPA_NEURONS_AT}, got {neurons_at!r}")
+    if quantity not in DPA_QUANTITIES:
+        raise ValueError(f"quantity must be one of {DPA_QUANTITIES}, got {quantity!r}")
     ids, target = dpa_item(model, input_ids, target)
     adapter, (H, H_kv) = get_adapter(model), head_counts(model)
     n, name = adapter.n_layers, type(model).__name__
@@ -314,12 +325,24 @@ def dpa_attribution(model, input_ids, target: int, *, weights: Optional[dict] = 
     tol = rebuild_tolerance(model)  # above float32's for a bfloat16 or float16 model (its rounded states)
     final = freeze_norm(adapter.norm, h_n[-1:], extra["final"], "the final norm", tol)
     head_weight, head_bias = projection_weight(adapter.head)
-    row = head_weight[target].double().cpu()  # (d,)
+    start = torch.zeros(head_weight.shape[0], dtype=torch.float64)  # (V,) d quantity / d head output
+    start[target] = 1.0
+    if quantity == "logprob":
+        u = final.forward(h_n[-1:])[0] @ head_weight.double().cpu().T
+        u = u + head_bias.double().cpu() if head_bias is not None else u
+        z = adapter.logit_scale * u
+        if adapter.softcap:
+            z = torch.tanh(z / adapter.softcap) * adapter.softcap
+        start = start - torch.softmax(z, -1)
+        if adapter.softcap:  # d/dx [c tanh(x / c)] = 1 - tanh(x / c)^2
+            start = start * (1 - (z / adapter.softcap) ** 2)
+    start = adapter.logit_scale * start
+    row = start @ head_weight.double().cpu()  # (d,)
     cot = torch.zeros_like(h_n)  # (S, d) the cotangent on h_L, L = n first
-    cot[-1] = adapter.logit_scale * final.back(row[None])[0]
+    cot[-1] = final.back(row[None])[0]
     constants = torch.zeros(n + 1, dtype=torch.float64)
-    constants[n] = adapter.logit_scale * (float(row @ final.beta) if final.beta is not None else 0.0)
-    constants[n] += adapter.logit_scale * (float(head_bias[target]) if head_bias is not None else 0.0)
+    constants[n] = float(row @ final.beta) if final.beta is not None else 0.0
+    constants[n] += float(start @ head_bias.double().cpu()) if head_bias is not None else 0.0
     S = h_n.shape[0]
     edges = torch.zeros(n, H, S, S, dtype=torch.float64)
     neurons, carried = [None] * n, torch.zeros(n + 1, S, dtype=torch.float64)

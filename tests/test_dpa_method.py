@@ -58,13 +58,15 @@ def pre_mlp_norm(block):
     return getattr(block, "pre_feedforward_layernorm", None) or block.post_attention_layernorm
 
 
-def dpa_by_autograd(model, ids, target, weights):
+def dpa_by_autograd(model, ids, target, weights, start=None):
     """DPA's quantities by autograd through a copy of the model whose backward is DPA's and whose forward
     is unchanged: every RMSNorm's denominator detached (final, input, pre-MLP, post- and query/key norms);
     the gradients leaving q_proj, k_proj, v_proj scaled by w_q, w_k, w_v (the softmax's own backward left
     as autograd computes it); those leaving gate_proj, up_proj by w_gate, w_up; act_fn's derivative
     replaced by ``act(g) / g``. Unit gates on the post-softmax weights and on act_fn's output give the
     edge and neuron scores (``d logit / d gate = activation x gradient``).
+
+    ``start`` (V,): differentiate ``<start, head output>`` (held fixed) instead of the target's logit.
 
     Returns: logit (pre-cap, at the last position), carried (n+1, S) ``<h_L, d logit / d h_L>``, edges
     (n, H, S, S), neurons at "post" (n, S, d_ff) and at "mid" (the neuron gates' gradient of
@@ -110,7 +112,7 @@ def dpa_by_autograd(model, ids, target, weights):
     model.get_output_embeddings().register_forward_hook(lambda m, args, out: store.__setitem__("logits", out))
     with torch.enable_grad(), float64_eager(model, current, edge_gates):
         model(input_ids=ids, use_cache=False)
-        logit = store["logits"][0, -1, target]
+        logit = store["logits"][0, -1, target] if start is None else (start * store["logits"][0, -1]).sum()
         logit.backward(retain_graph=True)
         carried = torch.stack([(states[l][0] * states[l].grad[0]).sum(-1) for l in range(n + 1)]).detach()
         c_mid = [mids[layer].grad.clone() for layer in range(n)]  # before the next passes add to .grad
@@ -150,6 +152,31 @@ def test_matches_autograd_through_the_detached_model(arch, weights):
     assert mid["edges"][..., future].abs().max() == 0
     # the two cotangents are not the same scores (the original reads the neurons against mid_L)
     assert (mid["neurons"] - post["neurons"]).abs().max() > 1e-6 * post["neurons"].abs().max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprob_start_matches_autograd(arch):
+    """``quantity="logprob"``: the start vector is ``g = d log p(target) / d u`` at the recorded head output
+    ``u`` (autograd through the model's own soft-cap and log-softmax here), and everything below it equals
+    autograd's through the detached model from ``<g, u>``."""
+    model, ids = model_of(arch, seed=2), ids_of(3)
+    ig.get_adapter(model)  # float64 norms and rotary tables for a float64 model
+    with torch.no_grad(), float64_eager(model, [0], None):
+        u = model.get_output_embeddings()(model(ids, output_hidden_states=True).hidden_states[-1][0, -1])
+    target = int(u.argsort()[len(u) // 2])  # a middling token: p far from 0 and 1
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    with torch.enable_grad():
+        u = u.clone().requires_grad_(True)
+        z = torch.tanh(u / cap) * cap if cap else u
+        (start,) = torch.autograd.grad(torch.log_softmax(z, -1)[target], u)
+    out = igdm.dpa_attribution(model, ids, target, weights=RANDOM_WEIGHTS, quantity="logprob")
+    ref = dpa_by_autograd(model, ids, target, RANDOM_WEIGHTS, start=start)
+    assert out["logit"] == pytest.approx(ref["logit"], abs=1e-10 * max(1.0, abs(ref["logit"])))
+    close(out["edges"], ref["edges"])
+    close(out["carried"], ref["carried"])
+    close(out["neurons"], ref["neurons_mid"])
+    logit = igdm.dpa_attribution(model, ids, target, weights=RANDOM_WEIGHTS)
+    assert (out["edges"] - logit["edges"]).abs().max() > 1e-3 * logit["edges"].abs().max()  # another start
 
 
 def original_llama_backend(model, ids, target):
@@ -314,6 +341,8 @@ def test_bad_input():
             igdm.dpa_attribution(model, ids, 3, weights=weights)
     with pytest.raises(ValueError, match="neurons_at"):
         igdm.dpa_attribution(model, ids, 3, neurons_at="pre")
+    with pytest.raises(ValueError, match="quantity must be one of .'logit', 'logprob'., got 'prob'"):
+        igdm.dpa_attribution(model, ids, 3, quantity="prob")
     with pytest.raises(ValueError, match="0..96"):
         igdm.dpa_attribution(model, ids, 97)
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*gated MLPs"):
