@@ -742,9 +742,9 @@ def cpr_cmd(evaluation: Evaluation, scores, percentages: Sequence[float] = PERCE
 
 # ---- 4. Methods: a (n_forward, n_backward) score per edge ----
 
-def contract(graph: MIBGraph, diff: torch.Tensor, grads: dict) -> torch.Tensor:
+def contract(graph: MIBGraph, diff: torch.Tensor, grads: dict, dtype=torch.float64) -> torch.Tensor:
     """(n_forward, n_backward) float64 sum over items, positions and width of ``diff`` (B, S, n_forward, d)
-    times each receiver's input gradient (``grads``: group -> (B, S, R, d)), on the graph's edges."""
+    times each receiver's input gradient (``grads``: group -> (B, S, R, d)), on the graph's edges, in ``dtype``."""
     cols, parts = [], []
     for key, g in grads.items():
         cols.extend(range(graph.n_backward)[slice(-1, None) if key == ("logits",) else
@@ -752,7 +752,7 @@ def contract(graph: MIBGraph, diff: torch.Tensor, grads: dict) -> torch.Tensor:
         parts.append(g)
     g = torch.cat(parts, 2)  # (B, S, n_backward, d) in ``cols`` order
     out = torch.zeros(graph.n_forward, graph.n_backward, dtype=torch.float64)
-    out[:, cols] = torch.einsum("bsfd,bsrd->fr", diff.double(), g.double()).cpu()
+    out[:, cols] = torch.einsum("bsfd,bsrd->fr", diff.to(dtype), g.to(dtype)).double().cpu()
     return out * graph.real
 
 

@@ -1,5 +1,6 @@
 """The exact counterfactual graph on MIB's edges (issues 43 and 44): each edge's share of the logit difference
-``f(clean) - f(corrupted)``, complete at every node.
+``f(clean) - f(corrupted)``, complete at every node; and mask IG over MIB's edge gates (:func:`mask_ig_edges`),
+complete in total.
 
 MIB's graph (:class:`iglens_mib.MIBGraph`) is a DAG of nodes: ``input``, every head ``a{L}.h{h}`` (a function of
 its own query, key and value inputs, ungrouped as MIB does), every MLP ``m{L}`` and ``logits`` (MIB's logit
@@ -41,12 +42,14 @@ from iglens_mib import (IG_STEPS, Acts, MIBGraph, contract, edge_hooks, length_b
 
 STEPS = 8  # Gauss-Legendre nodes per node of the DAG (one block's heads share them)
 METHOD = "counterfactual graph"  # its name among iglens_mib's methods in score_table
+MASK_METHOD = "mask IG"  # integrated gradients over MIB's edge gates (mask_ig_edges)
+MASK_STEPS = 16  # its Gauss-Legendre nodes
 
 
 class CounterfactualEdges(NamedTuple):
     """Edge scores (n_forward, n_backward), summed over the items; ``delta`` (B,) each item's logit
     difference change; ``gaps``: ``{"logits": the readout's gap, "input": (edges out of input) - delta, "nodes":
-    the largest |in - out| over the nodes}``, summed over items, in logits."""
+    the largest |in - out| over the nodes}`` (mask IG: ``{"total": the scores' sum - delta}``), summed over items, in logits."""
     scores: torch.Tensor
     delta: torch.Tensor
     gaps: dict
@@ -219,17 +222,107 @@ def counterfactual_edges(model, items: Sequence, *, steps: int = STEPS, batch_si
     return CounterfactualEdges(total, torch.cat(deltas), gaps)
 
 
+class _Gated:
+    """Every edge of MIB's graph at gate ``t`` (rows, 1, 1): each receiver reads ``sum_k t out_k + (1 - t) out'_k``
+    (``out'`` the counterfactual run's; a post-attention norm on the blended heads' sum, as ``iglens_mib``'s
+    harness), kept in ``receivers`` for their gradients; ``sums`` the blended heads' sums (before the norm)."""
+
+    def __init__(self, layers: list, corrupted: Acts, t: torch.Tensor):
+        self.layers, self.corr, self.t = layers, corrupted, t
+        self.input, self.attn, self.mlp, self.sums, self.receivers, self.resid = None, [], [], [], {}, None
+
+    def put_input(self, x):
+        self.input = x.detach().requires_grad_(True)
+        self.resid = self.t * self.input + (1 - self.t) * self.corr.input
+
+    def put_attn(self, layer, heads):
+        part = self.layers[layer]
+        self.attn.append(heads)
+        total = self.t * heads.sum(2) + (1 - self.t) * self.corr.attn[layer].sum(2)
+        self.sums.append(total + part.bo.to(total) if part.bo is not None else total)
+        self.resid = self.resid + (part.post_attn(self.sums[-1]) if part.post_attn is not None else self.sums[-1])
+
+    def put_mlp(self, layer, out):
+        self.mlp.append(out)
+        self.resid = self.resid + self.t * out + (1 - self.t) * self.corr.mlp[layer]
+
+    def mix(self, key, cols):
+        self.receivers[key] = self.resid[:, :, None].expand(-1, -1, cols.stop - cols.start, -1).clone()
+        return self.receivers[key]
+
+
+def _repeat_acts(acts: Acts, copies: int) -> Acts:
+    rep = lambda x: x.repeat(copies, *([1] * (x.dim() - 1)))
+    return Acts(rep(acts.input), [rep(a) for a in acts.attn], [rep(m) for m in acts.mlp])
+
+
+def mask_ig_edges(model, items: Sequence, *, steps: int = MASK_STEPS, batch_size: int = 8,
+                  rows_per_pass: int = 16) -> CounterfactualEdges:
+    """Mask IG on MIB's edges: integrated gradients of the logit difference over the edge gates ``w``
+    (n_forward, n_backward) of MIB's own patching (:func:`iglens_mib.patched_logits`: a gate at 0 carries the
+    counterfactual run's sender output), on the straight path from every gate off (the corrupted run) to every
+    gate on (the clean run), ``steps`` Gauss-Legendre nodes, summed over the items. With every gate at ``t``,
+    ``dm/dw_(u,v) = <dm/d in_v, Pbar (out_u - out'_u)>`` (``Pbar`` a post-attention norm's Jacobian at the
+    blended heads' sum, else 1), so one forward and backward per node gives every edge (``rows_per_pass`` rows of
+    nodes x items at a time). The scores add up to ``m(clean) - m(corrupted)`` up to the quadrature:
+    ``gaps["total"]`` (summed over items, in logits). It attributes the very patched model whose circuits MIB's
+    faithfulness scores."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 256:
+        raise ValueError(f"steps must be an integer in 1..256, got {steps!r}")
+    if not items:
+        raise ValueError("items must hold at least one IOI item, got none")
+    graph, layers = MIBGraph.from_model(model), model_layers(model)
+    device, total, deltas = next(model.parameters()).device, None, []
+    for rows in length_batches(items, batch_size):
+        clean, corrupted, labels = stack_items(items, rows, device)
+        (acts, bad), (_, good) = (record_acts(model, graph, layers, ids) for ids in (corrupted, clean))
+        deltas.append((logit_diff(good, labels) - logit_diff(bad, labels)).double())
+        alphas, weights = _nodes(steps, acts.input.dtype)
+        B, per = len(rows), max(1, rows_per_pass // len(rows))
+        for first in range(0, steps, per):
+            k = len(alphas[first:first + per])
+            t = alphas[first:first + per].repeat_interleave(B).view(-1, 1, 1)
+            gated = _Gated(layers, _repeat_acts(acts, k), t)
+            handles = edge_hooks(model, graph, layers, gated)
+            try:
+                with torch.enable_grad(), eager_attention(model), ungrouped(layers):
+                    out = model(input_ids=clean.repeat(k, 1), use_cache=False, logits_to_keep=1).logits[:, -1]
+                    m = (logit_diff(out, labels.repeat(k, 1)) * weights[first:first + per].repeat_interleave(B)).sum()
+                    keys = list(gated.receivers)
+                    grads = torch.autograd.grad(m, [gated.receivers[key] for key in keys], allow_unused=True)
+            finally:
+                [h.remove() for h in handles]
+            grads = {key: g if g is not None else torch.zeros_like(gated.receivers[key]) for key, g in zip(keys, grads)}
+            diff = [gated.attn[L] - gated.corr.attn[L] for L in range(graph.n_layers)]
+            for L, part in enumerate(layers):
+                if part.post_attn is not None:
+                    primal = gated.sums[L][:, :, None].expand_as(diff[L]).contiguous()
+                    diff[L] = torch.func.jvp(part.post_attn, (primal.detach(),), (diff[L].detach(),))[1]
+            flat = Acts(gated.input - gated.corr.input, diff, [m_ - c for m_, c in zip(gated.mlp, gated.corr.mlp)]).flat()
+            same = (flat == 0).flatten(2).all(-1).all(0)  # (S,) positions before the first difference
+            first = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else flat.shape[1]
+            scores = contract(graph, flat.detach()[:, first:], {key: g[:, first:] for key, g in grads.items()},
+                              dtype=flat.dtype)
+            total = scores if total is None else total + scores
+    delta = torch.cat(deltas)
+    return CounterfactualEdges(total, delta, {"total": float(total.sum() - delta.sum())})
+
+
 def score_table(model, items: Sequence, methods: Sequence[str], *, steps: int = IG_STEPS, graph_steps: int = STEPS,
-                batch_size: int = 8) -> dict:
-    """:func:`iglens_mib.score_table` with the counterfactual graph as one more method (:data:`METHOD`, at
-    ``graph_steps``); its gaps, summed over the items, go in ``seconds`` as ``"<METHOD> gap: input"`` etc."""
-    table = mib_score_table(model, items, [m for m in methods if m != METHOD], steps=steps, batch_size=batch_size)
-    if METHOD in methods:
-        graph, start = MIBGraph.from_model(model), time.perf_counter()
-        result = counterfactual_edges(model, items, steps=graph_steps, batch_size=batch_size)
-        table["scores"][METHOD] = result.scores[graph.edge_src, graph.edge_dst].float().numpy()
-        table["seconds"][METHOD] = [(time.perf_counter() - start) / len(items)]
+                mask_steps: int = MASK_STEPS, batch_size: int = 8) -> dict:
+    """:func:`iglens_mib.score_table` with the counterfactual graph (:data:`METHOD`, at ``graph_steps``) and mask
+    IG (:data:`MASK_METHOD`, at ``mask_steps``) as more methods; their gaps, summed over the items, go in
+    ``seconds`` as ``"<method> gap: <where>"``, and the change they split as ``"<method>: delta"``."""
+    ours = {METHOD: functools.partial(counterfactual_edges, steps=graph_steps),
+            MASK_METHOD: functools.partial(mask_ig_edges, steps=mask_steps)}
+    table = mib_score_table(model, items, [m for m in methods if m not in ours], steps=steps, batch_size=batch_size)
+    graph = MIBGraph.from_model(model)
+    for method in [m for m in methods if m in ours]:
+        start = time.perf_counter()
+        result = ours[method](model, items, batch_size=batch_size)
+        table["scores"][method] = result.scores[graph.edge_src, graph.edge_dst].float().numpy()
+        table["seconds"][method] = [(time.perf_counter() - start) / len(items)]
         for name, value in result.gaps.items():
-            table["seconds"][f"{METHOD} gap: {name}"] = [value]
-        table["seconds"][f"{METHOD}: delta"] = [float(result.delta.sum())]
+            table["seconds"][f"{method} gap: {name}"] = [value]
+        table["seconds"][f"{method}: delta"] = [float(result.delta.sum())]
     return table

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+import iglens_core as ig
 import iglens_counterfactual as igcf
 import iglens_mib as mib
 import iglens_mib_graph as igmg
@@ -84,3 +85,38 @@ def test_bad_arguments():
         igmg.counterfactual_edges(model, _items(model, *pair(batch=1)), steps=0)
     with pytest.raises(ValueError, match="at least one"):
         igmg.counterfactual_edges(model, [])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mask_ig_complete_and_equal_to_finite_differences(arch):
+    """Mask IG over MIB's edge gates: the scores add up to the model's own change in the logit difference
+    (converged steps), only edges of MIB's graph score, and one edge's score equals the same quadrature of
+    central finite differences of the patched forward (no autograd)."""
+    model = tiny_model(arch, seed=5 + ARCHS.index(arch), dtype=torch.float64)
+    graph, layers = mib.MIBGraph.from_model(model), mib.model_layers(model)
+    clean, corrupted = pair(seed=4, batch=1, length=6)
+    result = igmg.mask_ig_edges(model, _items(model, clean, corrupted), steps=48)
+    with torch.no_grad():
+        own = (mib.logit_diff(model(clean).logits[:, -1], LABELS[:1]) -
+               mib.logit_diff(model(corrupted).logits[:, -1], LABELS[:1]))
+    scale = float(own.abs().sum())
+    torch.testing.assert_close(result.delta, own.double(), rtol=0, atol=1e-12 * scale)
+    assert float(result.scores.sum()) == pytest.approx(float(own.sum()), abs=1e-10 * scale)
+    assert abs(result.gaps["total"]) <= 1e-10 * scale
+    on_graph = torch.zeros_like(result.scores, dtype=torch.bool)
+    on_graph[graph.edge_src, graph.edge_dst] = True
+    assert float(result.scores[~on_graph].abs().max()) == 0.0
+    # the largest edge by finite differences at the same nodes (8 of them)
+    result = igmg.mask_ig_edges(model, _items(model, clean, corrupted), steps=8)
+    f, b = divmod(int(result.scores.abs().argmax()), graph.n_backward)
+    acts = mib.record_acts(model, graph, layers, corrupted)[0]
+    alphas, weights = ig.quadrature("gauss_legendre", 8)
+    h, fd = 1e-5, 0.0
+    for alpha, weight in zip(alphas.tolist(), weights.tolist()):
+        values = []
+        for step in (h, -h):
+            gates = torch.full((graph.n_forward, graph.n_backward), alpha, dtype=torch.float64)
+            gates[f, b] += step
+            values.append(mib.logit_diff(mib.patched_logits(model, graph, layers, clean, gates, acts), LABELS[:1]).sum())
+        fd += weight * float(values[0] - values[1]) / (2 * h)
+    assert fd == pytest.approx(float(result.scores[f, b]), rel=1e-6)
