@@ -300,8 +300,8 @@ def mask_ig_edges(model, items: Sequence, *, steps: int = MASK_STEPS, batch_size
                     diff[L] = torch.func.jvp(part.post_attn, (primal.detach(),), (diff[L].detach(),))[1]
             flat = Acts(gated.input - gated.corr.input, diff, [m_ - c for m_, c in zip(gated.mlp, gated.corr.mlp)]).flat()
             same = (flat == 0).flatten(2).all(-1).all(0)  # (S,) positions before the first difference
-            first = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else flat.shape[1]
-            scores = contract(graph, flat.detach()[:, first:], {key: g[:, first:] for key, g in grads.items()},
+            s0 = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else flat.shape[1]
+            scores = contract(graph, flat.detach()[:, s0:], {key: g[:, s0:] for key, g in grads.items()},
                               dtype=flat.dtype)
             total = scores if total is None else total + scores
     delta = torch.cat(deltas)
