@@ -325,24 +325,25 @@ def dpa_attribution(model, input_ids, target: int, *, weights: Optional[dict] = 
     tol = rebuild_tolerance(model)  # above float32's for a bfloat16 or float16 model (its rounded states)
     final = freeze_norm(adapter.norm, h_n[-1:], extra["final"], "the final norm", tol)
     head_weight, head_bias = projection_weight(adapter.head)
-    start = torch.zeros(head_weight.shape[0], dtype=torch.float64)  # (V,) d quantity / d head output
-    start[target] = 1.0
-    if quantity == "logprob":
-        u = final.forward(h_n[-1:])[0] @ head_weight.double().cpu().T
-        u = u + head_bias.double().cpu() if head_bias is not None else u
+    bias = head_bias.double().cpu() if head_bias is not None else None
+    if quantity == "logit":  # one row of the head: (d,)
+        row = adapter.logit_scale * head_weight[target].double().cpu()
+        bias_credit = adapter.logit_scale * float(bias[target]) if bias is not None else 0.0
+    else:  # start (V,) = d log p(target) / d head output, at the recorded pass
+        W = head_weight.double().cpu()
+        u = final.forward(h_n[-1:])[0] @ W.T + (bias if bias is not None else 0.0)
         z = adapter.logit_scale * u
-        if adapter.softcap:
-            z = torch.tanh(z / adapter.softcap) * adapter.softcap
-        start = start - torch.softmax(z, -1)
+        z = torch.tanh(z / adapter.softcap) * adapter.softcap if adapter.softcap else z
+        start = -torch.softmax(z, -1)
+        start[target] += 1.0
         if adapter.softcap:  # d/dx [c tanh(x / c)] = 1 - tanh(x / c)^2
             start = start * (1 - (z / adapter.softcap) ** 2)
-    start = adapter.logit_scale * start
-    row = start @ head_weight.double().cpu()  # (d,)
+        start = adapter.logit_scale * start
+        row, bias_credit = start @ W, float(start @ bias) if bias is not None else 0.0
     cot = torch.zeros_like(h_n)  # (S, d) the cotangent on h_L, L = n first
     cot[-1] = final.back(row[None])[0]
     constants = torch.zeros(n + 1, dtype=torch.float64)
-    constants[n] = float(row @ final.beta) if final.beta is not None else 0.0
-    constants[n] += float(start @ head_bias.double().cpu()) if head_bias is not None else 0.0
+    constants[n] = (float(row @ final.beta) if final.beta is not None else 0.0) + bias_credit
     S = h_n.shape[0]
     edges = torch.zeros(n, H, S, S, dtype=torch.float64)
     neurons, carried = [None] * n, torch.zeros(n + 1, S, dtype=torch.float64)
