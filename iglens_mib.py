@@ -2,8 +2,7 @@
 hannamw/MIB-circuit-track and its EAP-IG submodule hannamw/EAP-IG, whose conventions are followed here).
 
 Imports :mod:`iglens_core` through public names only and holds, in reading order:
-1. IOI data from templates (``ioi_items``, ``keep_solved``): ABBA and BABA sentences with MIB's
-   counterfactual ``s2_io_flip`` (the second mention of the subject replaced by the indirect object).
+1. IOI data from templates (``ioi_items``, ``keep_solved``), MIB's ``s2_io_flip`` counterfactual (MCQA: iglens_mib_tasks).
 2. MIB's graph (``MIBGraph``): nodes ``input``, ``a{L}.h{H}``, ``m{L}``, ``logits``; an edge from every
    earlier node to every later one, edges into a head split into ``<q>``, ``<k>``, ``<v>``. Edge scores are
    a ``(n_forward, n_backward)`` tensor in MIB's own index layout (``graph.scores`` in eap.graph), and
@@ -98,10 +97,10 @@ def single_tokens(tokenizer, words: Sequence[str]) -> list[str]:
     return [w for w in words if len(tokenizer(" " + w, add_special_tokens=False).input_ids) == 1]
 
 
-def _encode(tokenizer, text: str, bos: bool) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+def encode_prompt(tokenizer, text: str, bos: bool = True) -> list[int]:
+    """``text``'s token ids, after the tokenizer's BOS token where it has one and ``bos`` (MIB's ``prepend_bos``)."""
     start = [tokenizer.bos_token_id] if bos and tokenizer.bos_token_id is not None else []
-    return start + list(ids)
+    return start + list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def ioi_items(tokenizer, n: int, *, seed: int = 0, bos: bool = True) -> list[IOIItem]:
@@ -132,7 +131,7 @@ def ioi_items(tokenizer, n: int, *, seed: int = 0, bos: bool = True) -> list[IOI
         prompt = full[: full.rindex(" " + a)]
         s2 = prompt.rindex(" " + b)  # the second mention of the subject
         corrupted = prompt[:s2] + " " + a + prompt[s2 + len(b) + 1:]
-        clean_ids, corrupted_ids = _encode(tokenizer, prompt, bos), _encode(tokenizer, corrupted, bos)
+        clean_ids, corrupted_ids = encode_prompt(tokenizer, prompt, bos), encode_prompt(tokenizer, corrupted, bos)
         if len(clean_ids) != len(corrupted_ids):
             continue
         answer_id = tokenizer(" " + a, add_special_tokens=False).input_ids[0]
@@ -188,7 +187,8 @@ def keep_solved(model, items: Sequence[IOIItem], *, batch_size: int = 16, quiet:
     diffs = logit_diffs(model, items, batch_size=batch_size)
     kept = [item for item, ld in zip(items, diffs) if ld > 0]
     if not quiet:
-        print(f"the model solves {len(kept)} of {len(items)} IOI items (logit difference > 0)")
+        print(f"the model solves {len(kept)} of {len(items)} {'MCQA' if items and items[0].order == 'MCQA' else 'IOI'} "
+              f"items (logit difference > 0)")
     return kept, {"solved": len(kept), "total": len(items), "logit_diffs": diffs}
 
 
