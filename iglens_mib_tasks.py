@@ -77,10 +77,9 @@ def mcqa_items(tokenizer, n: int, *, seed: int = 0, bos: bool = True) -> list[IO
         clean_ids, corrupted_ids = encode_prompt(tokenizer, clean, bos), encode_prompt(tokenizer, corrupted, bos)
         if len(clean_ids) != len(corrupted_ids):
             continue
-        answer, foil = " " + LETTERS[position], " " + letters[position]
-        items.append(IOIItem(clean, corrupted, answer, foil, "MCQA", position, torch.tensor(clean_ids),
-                             torch.tensor(corrupted_ids), letter_ids[LETTERS.index(answer[1])][0],
-                             letter_ids[LETTERS.index(foil[1])][0]))
+        items.append(IOIItem(clean, corrupted, " " + LETTERS[position], " " + letters[position], "MCQA", position,
+                             torch.tensor(clean_ids), torch.tensor(corrupted_ids), letter_ids[position][0],
+                             letter_ids[LETTERS.index(letters[position])][0]))
     return items
 
 
