@@ -5,17 +5,10 @@ import re
 import numpy as np
 import pytest
 
-import iglens_core as ig
 import iglens_mib as mib
 import iglens_mib_tasks as igmt
 from conftest import tiny_model
-from test_mib import ATOL  # the harness's own end-point tolerance (test_protocol_end_to_end)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(ig.resolve_model_path("smollm2-135m-instruct"), local_files_only=True)
+from test_mib import ATOL, tokenizer  # noqa: F401 (a fixture): the harness's end-point tolerance, SmolLM2's tokenizer
 
 
 def choices(prompt: str) -> list[tuple[str, str]]:
