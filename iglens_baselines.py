@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from iglens_core import (CACHE_DIR, Adapter, Readout, Trace, check_layers, check_same_model, collect,
-                         component_terms, first_output, get_adapter, head_counts, head_values, hidden_arg,
+                         component_terms, first_output, get_adapter, head_counts, head_values, hidden_arg, logits_at_end,
                          precision, projection_weight, replace_first, sublayer_projection)
 
 
@@ -361,23 +361,26 @@ def frozen_parameters(model):
             param.requires_grad_(flag)
 
 
-def _captum_column(explainer, hooks, inputs, baselines, steps: int, method: str):
+def _captum_column(explainer, hooks, inputs, baselines, steps: int, method: str, limit: bool):
     """One captum ``attribute`` call, its hooks removed afterwards.
 
     Returns:
         ``(values (B,), limits (B,))`` float64: the attribution summed over positions and hidden
-        dimensions, and that minus captum's convergence delta.
+        dimensions, and that minus captum's convergence delta (NaN without ``limit``: the delta costs
+        two more forward passes per token).
     """
     try:
         with torch.enable_grad():
-            attributions, delta = explainer.attribute(
+            attributions = explainer.attribute(
                 inputs, baselines=baselines, target=list(range(len(inputs))), n_steps=steps,
-                method=method, return_convergence_delta=True)
+                method=method, return_convergence_delta=limit)
     finally:
         for hook in hooks:
             hook.remove()
+    if limit:
+        attributions, delta = attributions
     values = attributions.detach().double().sum((1, 2)).cpu()
-    return values, values - delta.detach().double().cpu()
+    return values, (values - delta.detach().double().cpu()) if limit else torch.full_like(values, float("nan"))
 
 
 class _Probe(nn.Module):
@@ -405,8 +408,11 @@ def _target_probs_fn(model, trace: Trace, tokens, device):
     targets = trace.targets[tokens].to(device)
     ids = trace.input_ids.to(device)
 
+    tail = ids.shape[-1] - int(positions.min())    # the vocabulary product only where a target is read
+    columns = positions - (ids.shape[-1] - tail)
+
     def probs(batch: int) -> torch.Tensor:
-        logits = model(ids.expand(batch, -1), use_cache=False).logits[:, positions]  # (B, K, V)
+        logits = logits_at_end(model, tail, input_ids=ids.expand(batch, -1))[:, columns]  # (B, K, V)
         logp = torch.log_softmax(logits.to(precision(logits.dtype)), -1)
         return logp.gather(-1, targets[None, :, None].expand(batch, -1, 1))[..., 0].exp()
     return probs
@@ -475,7 +481,7 @@ def layer_integrated_gradients(model, trace: Trace, *, layers: Optional[Sequence
                      adapter.blocks[end - 1].register_forward_hook(gated_output)]
             values[:, j], limits[:, j] = _captum_column(
                 LayerIntegratedGradients(forward, probe), hooks, torch.ones(B, 1, device=device),
-                torch.zeros(B, 1, device=device), steps, method)
+                torch.zeros(B, 1, device=device), steps, method, return_limit)
     return (values, limits) if return_limit else values
 
 
@@ -538,7 +544,7 @@ def layer_conductance(model, trace: Trace, *, layers: Optional[Sequence[int]] = 
             hooks = [adapter.blocks[0].register_forward_pre_hook(substitute, with_kwargs=True),
                      adapter.blocks[end - 1].register_forward_hook(probed)]
             values[:, j], limits[:, j] = _captum_column(
-                LayerConductance(forward, probe), hooks, start, torch.zeros_like(start), steps, method)
+                LayerConductance(forward, probe), hooks, start, torch.zeros_like(start), steps, method, return_limit)
     return (values, limits) if return_limit else values
 
 

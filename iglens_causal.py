@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from iglens_core import (Adapter, Readout, Trace, check_foil, check_quantity, check_same_model, check_sequence, eager_attention, first_output, get_adapter,
-                         hidden_arg, plain_number, precision, replace_first, sublayer_module)
+                         hidden_arg, logits_at_end, plain_number, precision, replace_first, sublayer_module)
 from iglens_core import as_model  # a TransformerLens or nnsight model: the Hugging Face model inside
 from iglens_baselines import component_layout
 from iglens_stats import restoration_half
@@ -233,6 +233,8 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
     ids, positions, targets = (trace.input_ids.to(device), trace.positions.to(device),
                                trace.targets.to(device))
     out = torch.empty(len(sets), len(targets), dtype=precision(next(model.parameters()).dtype))
+    tail = ids.shape[-1] - int(positions.min())   # the vocabulary product only where a target is read
+    columns = positions - (ids.shape[-1] - tail)
     for start in range(0, len(sets), batch_size):
         chunk = sets[start:start + batch_size]
         keep = torch.ones(n, len(chunk), parts * width)  # (n, B, P) 1 = kept input column
@@ -249,7 +251,7 @@ def component_ablation(model, trace: Trace, sets: Sequence[Sequence[tuple[int, i
         hooks = [projections[layer].register_forward_pre_hook(lambda mod, args, layer=layer: hook(mod, args, layer))
                  for layer in range(n) if (keep[layer] == 0).any()]
         try:
-            logits = model(ids.expand(len(chunk), -1), use_cache=False).logits[:, positions]  # (B, T, V)
+            logits = logits_at_end(model, tail, input_ids=ids.expand(len(chunk), -1))[:, columns]  # (B, T, V)
         finally:
             for handle in hooks:
                 handle.remove()
