@@ -90,14 +90,19 @@ unit: model
 # cells in one kernel, in order)
 NBVAL_THREADS ?= 2 1
 NPROC ?= $(shell nproc 2>/dev/null || echo 2)
+# the longest notebooks first (1-thread COMPATIBLE times measured 2026-12-07: 09, 10, 07 and 04 take 3-5 min, 00-03
+# and 08 under 1), so that the workers of the 1-thread pass finish together instead of one waiting on a late 09
+# (--no-loadscope-reorder: pytest-xdist would otherwise order the notebooks by their number of cells)
+NBVAL_FIRST = $(foreach n,09 10 07 04 12 11 05 06 13,$(wildcard notebooks/$(n)_*.ipynb))
+NBVAL_ORDER = $(NBVAL_FIRST) $(filter-out $(NBVAL_FIRST),$(NOTEBOOKS))
 nbval: model
 	@test -n "$(NOTEBOOKS)" || { echo "no numbered notebooks to check"; exit 0; }; \
 	for threads in $(NBVAL_THREADS); do \
 	  workers=$$(( $(NPROC) / threads )); [ $$workers -ge 1 ] || workers=1; \
 	  if [ $$threads = 1 ]; then cbwr=COMPATIBLE; else cbwr=$${MKL_CBWR:-AUTO}; fi; \
 	  echo "nbval at OMP_NUM_THREADS=$$threads, MKL_CBWR=$$cbwr, $$workers notebooks at a time"; \
-	  MKL_CBWR=$$cbwr OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 $(PY) -m pytest -q -n $$workers --dist loadscope \
-	    --nbval-lax --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NOTEBOOKS) || exit 1; \
+	  MKL_CBWR=$$cbwr OMP_NUM_THREADS=$$threads TQDM_DISABLE=1 $(PY) -m pytest -q -n $$workers --dist loadscope --no-loadscope-reorder \
+	    --nbval-lax --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(NBVAL_ORDER) || exit 1; \
 	done
 
 bench: model
