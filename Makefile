@@ -70,7 +70,7 @@ refresh-notebooks: reproduce
 test: unit nbval
 
 # twice, on two float paths: first on the CPU's own MKL kernels at 1 thread, one pytest-xdist worker per
-# core (about 2 minutes of the whole run's 31 on 2 cores, measured 2026-12-07), then under MKL's vendor-neutral kernels
+# core (about 2 minutes of the whole run's 30 on 2 cores, measured 2026-12-07), then under MKL's vendor-neutral kernels
 # (MKL_CBWR=COMPATIBLE) at 2 threads, so that a test that holds on one
 # vendor's kernels only (AVX2 vs AVX-512, Intel vs AMD) is red here before it is red elsewhere.
 # Float32 comparisons between two computation orders use tests/conftest.py's order_tolerance.
