@@ -16,6 +16,7 @@ The statistics that compare these effects with attribution scores are in :mod:`i
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -508,6 +509,63 @@ def _restore_hook(positions: torch.Tensor, values: torch.Tensor):
     return hook
 
 
+def _branch(values: torch.Tensor):
+    """Forward pre-hook: the block's input (B, L, d) with ``len(values)`` rows appended, copies of
+    row 0 whose first position is set to ``values`` (k, d)."""
+    def hook(module, args, kwargs):
+        hidden = hidden_arg(args, kwargs)
+        grown = hidden[:1].repeat(len(values), 1, 1)
+        grown[:, 0] = values.to(grown)
+        hidden = torch.cat([hidden, grown])
+        return ((hidden,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+    return hook
+
+
+def _restored_probs(model, adapter: Adapter, readout: Readout, ids: torch.Tensor, clean: torch.Tensor,
+                    cells: torch.Tensor, target: int, batch_size: int) -> torch.Tensor:
+    """The target's probability at the last position of ``ids`` (1, S) with the clean state
+    ``clean[L, s]`` ((n+1, S, d)) put back at node ``L < n``, position ``s``, one value per row
+    ``(s, L)`` of ``cells`` (sorted by s, then L).
+
+    Every copy that restores position s runs positions s.. only: the earlier positions are the
+    run's own in every copy, so their keys and values are computed once (the model's KV cache,
+    extended position by position). And a copy that restores node L is the run itself below
+    block L + 1: one row carries the run, and each restored copy branches off it at its block
+    (the cache of block b holds as many rows as there are copies by then). So a restored state
+    costs only its own blocks over its own positions, ``(n - L)(S - s)`` token-blocks."""
+    probs = torch.empty(len(cells), dtype=clean.dtype)
+    prefix, cached = None, 0  # the run's keys and values of positions 0..cached-1 (one row)
+    for s in cells[:, 0].unique().tolist():
+        if s > cached:
+            prefix = model(ids[:, cached:s], past_key_values=prefix, use_cache=True, logits_to_keep=1).past_key_values
+            cached = s
+        group = (cells[:, 0] == s).nonzero()[:, 0]
+        for index in group.split(batch_size):
+            nodes = cells[index, 1]
+            cache = copy.deepcopy(prefix)
+            if cache is not None:
+                for block, layer in enumerate(cache.layers):  # rows at block b: the run and the copies restored by then
+                    layer.batch_repeat_interleave(1 + int((nodes <= block).sum()))
+            final: list = []
+
+            def grab(module, args, kwargs):  # h_n at the last position; the head is read once below
+                final.append(hidden_arg(args, kwargs)[1:, -1].clone())
+                raise _Stop
+
+            hooks = [adapter.blocks[node].register_forward_pre_hook(_branch(clean[node, s][None]), with_kwargs=True)
+                     for node in nodes.tolist()]
+            hooks.append(adapter.norm.register_forward_pre_hook(grab, with_kwargs=True))
+            try:
+                model(ids[:, s:], past_key_values=cache, use_cache=cache is not None)
+            except _Stop:
+                pass
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            probs[index] = readout(final[0], torch.tensor(target)).cpu()  # rows in the order of their nodes
+    return probs
+
+
 @torch.no_grad()
 def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "hidden", window: int = 1,
                  noise: Optional[float] = None, subject=None, seeds: Optional[Sequence[int]] = None,
@@ -540,14 +598,17 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
     (:func:`rome_window`); the blocks' other parts run on the corrupted stream. Columns are then
     the centre blocks ``1..n``.
 
-    Cost. One clean and one corrupted forward pass record every state; then, per column, the
-    restored copies (one per position, times ``len(seeds)`` for noise) run together,
-    ``batch_size`` at a time, from the first restored block on: the blocks below it see only
-    corrupted states, which the corrupted run already computed, so they are not rerun. A
-    position whose clean state equals the corrupted one bit for bit (before the subject; at node
-    0 everywhere but the subject) is not rerun either: putting it back changes nothing, so its
-    run is the corrupted run and its probability ``p'`` (per draw). The final norm and head
-    read only the last position.
+    Cost. One clean and one corrupted forward pass record every state. A position whose clean
+    state equals the corrupted one bit for bit (before the subject; at node 0 everywhere but the
+    subject) is not rerun: putting it back changes nothing, so its run is the corrupted run and
+    its probability ``p'`` (per draw). For a subject swap (``"hidden"``), the copies that restore
+    position ``s`` run positions ``s..S-1`` only, on the corrupted prefix's keys and values (the
+    model's KV cache), and a copy that restores node L branches off the corrupted run at block
+    L + 1 (the blocks below see only corrupted states): each cell costs its own blocks over its
+    own positions, about a third of rerunning every position from block L + 1 on SmolLM2's chat
+    prompts (measured 3.0-3.4x faster at 1 thread). Otherwise, per column, the restored copies
+    run together from the first restored block on. ``batch_size`` copies run at a time; the
+    final norm and head read only the last position.
 
     Args:
         model: a causal LM (Llama, Gemma, GPT-2, GPT-NeoX, Qwen2 and the other adapters' blocks).
@@ -628,7 +689,15 @@ def causal_trace(model, clean_ids, corrupted_ids, target: int, *, kind: str = "h
                          "the restoration would be rounding noise")
     layers = torch.arange(n + 1) if kind == "hidden" else torch.arange(1, n + 1)
     probs = p_draws[None, :, None].repeat(length, 1, len(layers))  # (S, k, N): an unchanged run gives p'
-    for column, layer in enumerate(layers.tolist()):
+    shared = kind == "hidden" and embed_hook is None  # a swap: restored copies share the corrupted prefix's keys and values
+    if shared:
+        cells = (clean_hidden[:, 0] != hidden[:, 0]).any(-1).T.nonzero()  # (s, node) pairs to rerun, position-major
+        if len(cells) and cells[-1].tolist() == [length - 1, n]:
+            probs[-1, 0, n] = p_clean  # h_n restored at the last position is the clean run; elsewhere it changes nothing
+        cells = cells[cells[:, 1] < n]
+        probs[cells[:, 0], 0, cells[:, 1]] = _restored_probs(model, adapter, readout, corrupted.to(device), clean_hidden[:, 0],
+                                                             cells, target, batch_size)
+    for column, layer in enumerate([] if shared else layers.tolist()):
         blocks = [] if kind == "hidden" else list(rome_window(layer, window, n))
         first = layer if kind == "hidden" else blocks[0] - 1  # node the run starts from
         clean_states, states = ((clean_hidden[layer:layer + 1], hidden[layer:layer + 1]) if kind == "hidden"

@@ -1050,8 +1050,9 @@ def item13_causal_trace(ctx) -> None:
     ours_time = best_of({"ours": ours}, ctx.args.repeats, ctx.device, warmup=False)["ours"]
     ratio = naive_time / ours_time
     add(f"13. causal trace, full grid of one fact ({length} tokens x {n + 1} nodes, p_clean {result.p_clean:.2f}, "
-        f"p' {result.p_corrupted:.4f}; per node the restored copies in one batch from block L+1, positions whose "
-        f"clean and corrupted states are equal not rerun) vs "
+        f"p' {result.p_corrupted:.4f}; each restored copy branches off the corrupted run at its block and runs its "
+        f"positions only, on the corrupted prefix's KV cache; positions whose clean and corrupted states are equal "
+        f"not rerun) vs "
         f"{length * (n + 1)} spliced full forward passes (probabilities agree to {gap:.0e})",
         fmt_time(ours_time), fmt_time(naive_time), f"{ratio:.1f}x faster", ">= 5x", ratio >= 5)
 
