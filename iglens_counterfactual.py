@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import itertools
 import math
 import weakref
@@ -175,6 +176,57 @@ def _record(model, adapter, input_ids: torch.Tensor, dtype: torch.dtype = torch.
     return [(args, kwargs) for _, args, kwargs in calls], [hidden[0] for hidden, _, _ in calls], final[0][0]
 
 
+class _PrefixKeys:
+    """Stands in for the KV cache of one attention sublayer: the first call (the positions before the first
+    differing token, equal in both runs and constant along every path) keeps its keys and values; every later
+    call (the later positions, any batch) reads them before its own."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def update(self, key, value, *args, **kwargs):
+        if self.keys is None:
+            self.keys, self.values = key.detach(), value.detach()
+            return key, value
+        b = key.shape[0]
+        return (torch.cat([self.keys.expand(b, -1, -1, -1), key], -2),
+                torch.cat([self.values.expand(b, -1, -1, -1), value], -2))
+
+
+def _split_call(block: nn.Module, call, first: int):
+    """The recorded ``call`` of ``block`` cut at position ``first`` into a call over the positions before it
+    and one over the positions from it on (queries there, keys over every position), sharing a
+    :class:`_PrefixKeys`; None where the call holds an argument this cannot cut."""
+    rest, kwargs = call
+    try:
+        bound = inspect.signature(block.forward).bind(None, *(rest or ()), **kwargs).arguments
+    except TypeError:
+        return None
+    if "past_key_values" not in inspect.signature(block.forward).parameters:
+        return None
+    keys, before, after = _PrefixKeys(), {}, {}
+    for name, value in list(bound.items())[1:]:  # the first is the state
+        if name == "kwargs":
+            items = value.items()
+        else:
+            items = [(name, value)]
+        for key, v in items:
+            if key == "attention_mask" and isinstance(v, torch.Tensor) and v.ndim == 4:
+                before[key], after[key] = v[..., :first, :first], v[..., first:, :]
+            elif key in ("position_ids", "cache_position") and isinstance(v, torch.Tensor):
+                before[key], after[key] = v[..., :first], v[..., first:]
+            elif key == "position_embeddings" and isinstance(v, tuple):
+                before[key], after[key] = tuple(t[:, :first] for t in v), tuple(t[:, first:] for t in v)
+            elif key == "past_key_values":
+                continue
+            elif isinstance(v, torch.Tensor) or (isinstance(v, tuple) and any(isinstance(t, torch.Tensor) for t in v)):
+                return None  # a tensor argument of unknown layout: the full call
+            else:
+                before[key] = after[key] = v
+    before["past_key_values"] = after["past_key_values"] = keys
+    return (None, before), (None, after)
+
+
 def _run_block(block: nn.Module, x: torch.Tensor, call) -> torch.Tensor:
     rest, kwargs = call
     return first_output(block(hidden_states=x, **kwargs) if rest is None else block(x, *rest, **kwargs))
@@ -190,7 +242,17 @@ class _Sublayers:
         self.norm2, self.mlp = sublayer_norm(block, "mlp"), sublayer_module(block, "mlp")
         self.down, self.post2 = sublayer_projection(block, "mlp")
 
-    def attn(self, x: torch.Tensor) -> torch.Tensor:
+    def after(self, prefix: torch.Tensor):
+        """The attention sublayer as a map of the positions from ``len(prefix)`` on, every earlier position's
+        input fixed at ``prefix`` (first, d); None where this block's call cannot be cut (then use :meth:`attn`)."""
+        calls = _split_call(self.block, self.call, len(prefix))
+        if calls is None:
+            return None
+        with torch.no_grad():
+            self.attn(prefix[None], calls[0])  # keeps the prefix's keys and values
+        return lambda x: self.attn(x, calls[1])
+
+    def attn(self, x: torch.Tensor, call=None) -> torch.Tensor:
         """(B, S, d) block inputs -> (B, S, d) attention increments (the block run up to them)."""
         kept = []
 
@@ -199,7 +261,7 @@ class _Sublayers:
             raise _Stop
         hook = self.attn_out.register_forward_hook(keep)
         try:
-            _run_block(self.block, x, self.call)
+            _run_block(self.block, x, self.call if call is None else call)
         except _Stop:
             pass
         finally:
@@ -335,8 +397,9 @@ def _pull(fn, start: torch.Tensor, end: torch.Tensor, cot: torch.Tensor, steps: 
     return out
 
 
-def _attention_parts(sub: _Sublayers, start, end, cot, steps, batch, edges: bool):
-    """Heads (H, S) and edges (H, S, S, 3) of one attention sublayer for the cotangent ``cot`` on its output."""
+def _attention_parts(attn, start, end, cot, steps, batch, edges: bool):
+    """Heads (H, S) and edges (H, S, S', 3) of one attention sublayer ``attn`` (a map of the states (B, S, d)
+    of S positions to its increments there; S' keys) for the cotangent ``cot`` on its output."""
     alphas, weights = _nodes(steps, start.dtype)
     delta = end - start
     heads_out, edges_out = 0.0, 0.0
@@ -346,12 +409,12 @@ def _attention_parts(sub: _Sublayers, start, end, cot, steps, batch, edges: bool
         _CAPTURE.append({})
         try:
             with torch.no_grad(), fwAD.dual_level():
-                sub.attn(fwAD.make_dual(x, delta.expand_as(x).contiguous()))
+                attn(fwAD.make_dual(x, delta.expand_as(x).contiguous()))
                 tangents = {k: fwAD.unpack_dual(v).tangent for k, v in _CAPTURE[-1].items() if isinstance(v, torch.Tensor)}
             _CAPTURE[-1] = {}
             with torch.enable_grad():
                 x = x.requires_grad_(True)
-                y = sub.attn(x)
+                y = attn(x)
                 seen = _CAPTURE[-1]
                 g_heads, g_raw = torch.autograd.grad((y * cot).sum(-1).sum(-1) @ w, [seen["heads"], seen["raw"]])
         finally:
@@ -568,18 +631,26 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
                                          sub.down.weight.shape[0], dtype=torch.float64)
             neurons[layer][first:] = _mlp_parts(sub, m_bad[first:], m[first:], cot[first:], int(used[layer, 1]), batch)
 
+        suffix = sub.after(x[:first]) if first else None  # the positions before `first` are the same in both runs
+
         def attn_pull(k):
-            return cot_mid + _pull(sub.attn, x_bad, x, cot_mid, k, batch)
+            if suffix is None:
+                return cot_mid + _pull(sub.attn, x_bad, x, cot_mid, k, batch)
+            out = cot_mid.clone()
+            out[first:] += _pull(suffix, x_bad[first:], x[first:], cot_mid[first:], k, batch)
+            return out
         cot_in, used[layer, 0] = _refined(attn_pull, lambda c: float((c * d_x).sum() - (cot_mid * d_mid).sum()),
                                           steps, limit, max_steps)
         gaps[layer, 0] = float((cot_in * d_x).sum() - (cot_mid * d_mid).sum())
         if parts or edges:
-            h_share, e_share = _attention_parts(sub, x_bad, x, cot_mid, int(used[layer, 0]), batch, edges)
-            heads[layer] = h_share
+            start = first if suffix is not None else 0
+            h_share, e_share = _attention_parts(suffix or sub.attn, x_bad[start:], x[start:], cot_mid[start:],
+                                                int(used[layer, 0]), batch, edges)
+            heads[layer, :, start:] = h_share
             if edges:
                 if edge_out is None:
-                    edge_out = torch.zeros(n, *e_share.shape, dtype=torch.float64)
-                edge_out[layer] = e_share
+                    edge_out = torch.zeros(n, H, S, S, 3, dtype=torch.float64)
+                edge_out[layer, :, start:] = e_share
         carried_mid[layer] = (cot_mid * d_mid).sum(-1)
         carried[layer] = (cot_in * d_x).sum(-1)
         cot_in[:first] = 0.0  # not needed: every state before `first` is equal in both runs
