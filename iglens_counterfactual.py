@@ -198,19 +198,16 @@ def _split_call(block: nn.Module, call, first: int):
     and one over the positions from it on (queries there, keys over every position), sharing a
     :class:`_PrefixKeys`; None where the call holds an argument this cannot cut."""
     rest, kwargs = call
-    try:
-        bound = inspect.signature(block.forward).bind(None, *(rest or ()), **kwargs).arguments
-    except TypeError:
+    signature = inspect.signature(block.forward)
+    if "past_key_values" not in signature.parameters:
         return None
-    if "past_key_values" not in inspect.signature(block.forward).parameters:
+    try:
+        bound = signature.bind(None, *(rest or ()), **kwargs).arguments
+    except TypeError:
         return None
     keys, before, after = _PrefixKeys(), {}, {}
     for name, value in list(bound.items())[1:]:  # the first is the state
-        if name == "kwargs":
-            items = value.items()
-        else:
-            items = [(name, value)]
-        for key, v in items:
+        for key, v in (value.items() if name == "kwargs" else [(name, value)]):
             if key == "attention_mask" and isinstance(v, torch.Tensor) and v.ndim == 4:
                 before[key], after[key] = v[..., :first, :first], v[..., first:, :]
             elif key in ("position_ids", "cache_position") and isinstance(v, torch.Tensor):
@@ -632,19 +629,17 @@ def counterfactual_graph(model, clean_ids, corrupted_ids, target: int, *, quanti
             neurons[layer][first:] = _mlp_parts(sub, m_bad[first:], m[first:], cot[first:], int(used[layer, 1]), batch)
 
         suffix = sub.after(x[:first]) if first else None  # the positions before `first` are the same in both runs
+        attn, start = (sub.attn, 0) if suffix is None else (suffix, first)
 
         def attn_pull(k):
-            if suffix is None:
-                return cot_mid + _pull(sub.attn, x_bad, x, cot_mid, k, batch)
             out = cot_mid.clone()
-            out[first:] += _pull(suffix, x_bad[first:], x[first:], cot_mid[first:], k, batch)
+            out[start:] += _pull(attn, x_bad[start:], x[start:], cot_mid[start:], k, batch)
             return out
         cot_in, used[layer, 0] = _refined(attn_pull, lambda c: float((c * d_x).sum() - (cot_mid * d_mid).sum()),
                                           steps, limit, max_steps)
         gaps[layer, 0] = float((cot_in * d_x).sum() - (cot_mid * d_mid).sum())
         if parts or edges:
-            start = first if suffix is not None else 0
-            h_share, e_share = _attention_parts(suffix or sub.attn, x_bad[start:], x[start:], cot_mid[start:],
+            h_share, e_share = _attention_parts(attn, x_bad[start:], x[start:], cot_mid[start:],
                                                 int(used[layer, 0]), batch, edges)
             heads[layer, :, start:] = h_share
             if edges:
