@@ -196,8 +196,14 @@ def dpa_order(scores, *, ties: str = "random", seed: int = 0) -> np.ndarray:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     x = _as_scores(scores, "scores").ravel()
-    key = np.arange(x.size) if ties == "index" else np.random.default_rng(seed).permutation(x.size)
-    return np.lexsort((key, -x))  # by score descending, then by the tie key
+    if ties == "index":
+        return np.argsort(-x, kind="stable")  # by score descending, then by index
+    # by score descending, then by the seeded permutation's key (np.lexsort((key, -x)), 2.5x faster):
+    # visit the components in the order of their keys and sort that stably
+    key = np.random.default_rng(seed).permutation(x.size)
+    by_key = np.empty_like(key)
+    by_key[key] = np.arange(x.size)
+    return by_key[np.argsort(-x[by_key], kind="stable")]
 
 
 def _zeroed_probs(model, ids: torch.Tensor, target: int, zero: np.ndarray, layout, batch_size: Optional[int],
@@ -244,7 +250,7 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
     out (``None``) is likewise never zeroed (the original's attn_act ranks the edges alone). The result is ``(p_base - p_x) / p_base * 100`` with p the target's probability at
     the last position (the model's own logits, soft-capping included).
 
-    The unablated row and every fraction's row go through the model together, batched per
+    The unablated row and every fraction's row go through the model together (equal rows once), batched per
     forward pass (``batch_size`` rows, default: as many as ``memory_budget`` allows; 11 rows of a
     short prompt fit in one pass of the packaged models).
 
@@ -298,7 +304,11 @@ def dpa_ablation(model, input_ids, target: int, scores: dict, *, mode: str = "di
     counts = np.ceil(inside.size * fractions)  # (F,) components in the top x
     top = rank[None, :] < counts[:, None]  # (F, N_all)
     zero = np.concatenate([np.zeros((1, flat.size), bool), top if mode == "disrupt" else ~top & ranked])
-    probs = _zeroed_probs(model, ids, target, zero, layout, batch_size, memory_budget)
+    # equal rows run once (on the packaged models' items the three smallest fractions all give k = 1)
+    _, first, inverse = np.unique(np.packbits(zero, axis=1), axis=0, return_index=True, return_inverse=True)
+    distinct = np.sort(first)  # the distinct rows in their order
+    probs = _zeroed_probs(model, ids, target, zero[distinct], layout, batch_size, memory_budget)
+    probs = probs[np.searchsorted(distinct, first)[inverse.ravel()]]
     return ((probs[0] - probs[1:]) / probs[0] * 100).numpy()
 
 

@@ -249,6 +249,19 @@ def test_order_ties(ties):
     assert list(order) == reference
 
 
+@pytest.mark.parametrize("seed", [0, 3, 11])
+def test_order_many_ties_against_lexsort(seed):
+    """Mostly tied scores (a few distinct values, +0.0 and -0.0 among them, as unscored components leave):
+    the order is numpy's lexsort by (-score, the seed's permutation), the definition it implements faster."""
+    gen = np.random.default_rng(seed)
+    n = int(gen.integers(1, 20_000))
+    x = gen.integers(-3, 4, n) * (gen.random(n) < 0.4) * 0.5
+    x[gen.random(n) < 0.1] = -0.0
+    key = np.random.default_rng(seed).permutation(n)
+    np.testing.assert_array_equal(igdpa.dpa_order(x, ties="random", seed=seed), np.lexsort((key, -x)))
+    np.testing.assert_array_equal(igdpa.dpa_order(x, ties="index"), np.lexsort((np.arange(n), -x)))
+
+
 def test_order_does_not_chain():
     """200,000 distinct heavy-tailed scores keep their value order (the earlier single-linkage rule
     left 198,704 of them out of it)."""
