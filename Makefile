@@ -70,7 +70,7 @@ refresh-notebooks: reproduce
 test: unit nbval
 
 # twice, on two float paths: first on the CPU's own MKL kernels at 1 thread, one pytest-xdist worker per
-# core (about 2 minutes of the whole run's 30 on 2 cores, measured 2026-12-07), then under MKL's vendor-neutral kernels
+# core (about 2 minutes of CI's 26, measured 2026-12-07), then under MKL's vendor-neutral kernels
 # (MKL_CBWR=COMPATIBLE) at 2 threads, so that a test that holds on one
 # vendor's kernels only (AVX2 vs AVX-512, Intel vs AMD) is red here before it is red elsewhere.
 # Float32 comparisons between two computation orders use tests/conftest.py's order_tolerance.
@@ -90,10 +90,10 @@ unit: model
 # cells in one kernel, in order)
 NBVAL_THREADS ?= 2 1
 NPROC ?= $(shell nproc 2>/dev/null || echo 2)
-# the longest notebooks first (1-thread COMPATIBLE times measured 2026-12-07: 09, 10, 07 and 04 take 3-5 min, 00-03
-# and 08 under 1), so that the workers of the 1-thread pass finish together instead of one waiting on a late 09
+# the longest notebooks first (1-thread COMPATIBLE times measured 2026-12-07, docs/performance.md: 04 and 10 about
+# 2.5 min, 12, 09, 07 and 05 1.2-2, the others under 1), so that the workers of the 1-thread pass finish together
 # (--no-loadscope-reorder: pytest-xdist would otherwise order the notebooks by their number of cells)
-NBVAL_FIRST = $(foreach n,09 10 07 04 12 11 05 06 13,$(wildcard notebooks/$(n)_*.ipynb))
+NBVAL_FIRST = $(foreach n,04 10 12 09 07 05 13 11 02,$(wildcard notebooks/$(n)_*.ipynb))
 NBVAL_ORDER = $(NBVAL_FIRST) $(filter-out $(NBVAL_FIRST),$(NOTEBOOKS))
 nbval: model
 	@test -n "$(NOTEBOOKS)" || { echo "no numbered notebooks to check"; exit 0; }; \
